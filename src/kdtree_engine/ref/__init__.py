@@ -1,0 +1,1 @@
+"""The specification: plain numpy / torch on the CPU. Never imports triton."""

@@ -1,0 +1,14 @@
+"""DraftTree types and the public tree ops."""
+
+from kdtree_engine.tree.ops import accept_greedy, build_tree, build_tree_from_logits, compile_tree
+from kdtree_engine.tree.types import AcceptResult, DraftTree, VerifyInputs
+
+__all__ = [
+    "AcceptResult",
+    "DraftTree",
+    "VerifyInputs",
+    "accept_greedy",
+    "build_tree",
+    "build_tree_from_logits",
+    "compile_tree",
+]

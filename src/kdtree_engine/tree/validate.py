@@ -1,0 +1,98 @@
+"""Checks at the public boundary of the tree ops. Each failure is a ValueError naming the argument.
+
+Validation reads the data (NaN, sort order, id range), which costs a device sync on CUDA: the engine's
+hot loop passes `validate=False` once its inputs are known good.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+
+def as_tensor(x, name: str) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(x, torch.Tensor):
+        return x
+    raise ValueError(f"{name}: expected a torch.Tensor or numpy array, got {type(x).__name__}")
+
+
+def check_int(value, name: str, *, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_rank(x: torch.Tensor, name: str, rank: int, dims: str) -> None:
+    if x.dim() != rank:
+        raise ValueError(f"{name}: expected rank {rank} {dims}, got shape {tuple(x.shape)}")
+
+
+def check_float(x: torch.Tensor, name: str) -> torch.Tensor:
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
+    return x.float()
+
+
+def check_integer_dtype(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"{name}: expected an integer dtype, got {x.dtype}")
+    return x.long()
+
+
+def check_same_device(named: dict[str, torch.Tensor]) -> None:
+    devices = {name: t.device for name, t in named.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"tensors must share one device: {listing}")
+
+
+def check_finite(x: torch.Tensor, name: str) -> None:
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        bad = "NaN" if bool(torch.isnan(x).any()) else "inf"
+        raise ValueError(f"{name}: expected finite values, found {bad}")
+
+
+def check_sorted_desc(x: torch.Tensor, name: str) -> None:
+    if x.shape[-1] > 1 and not bool((x[..., 1:] <= x[..., :-1]).all()):
+        raise ValueError(f"{name}: each row must be sorted in descending order")
+
+
+def check_id_range(ids: torch.Tensor, name: str, vocab_size: int | None) -> None:
+    if ids.numel() == 0:
+        return
+    if bool((ids < 0).any()):
+        raise ValueError(f"{name}: token ids must be >= 0")
+    if vocab_size is not None and bool((ids >= vocab_size).any()):
+        raise ValueError(f"{name}: token ids must be < vocab_size={vocab_size}")
+
+
+def check_topk_inputs(top_logprobs, top_ids, vocab_size: int | None, validate: bool):
+    """Returns (top_logprobs [B, L, K] float32, top_ids [B, L, K] int64); a rank-2 pair is batched."""
+    lp = as_tensor(top_logprobs, "top_logprobs")
+    ids = as_tensor(top_ids, "top_ids")
+    if lp.dim() == 2:
+        lp = lp.unsqueeze(0)
+    if ids.dim() == 2:
+        ids = ids.unsqueeze(0)
+    check_rank(lp, "top_logprobs", 3, "[B, L, K]")
+    check_rank(ids, "top_ids", 3, "[B, L, K]")
+    if lp.shape != ids.shape:
+        raise ValueError(
+            f"top_ids: shape {tuple(ids.shape)} does not match top_logprobs {tuple(lp.shape)}"
+        )
+    if lp.shape[-1] == 0:
+        raise ValueError("top_logprobs: K (last dim) must be >= 1")
+    check_same_device({"top_logprobs": lp, "top_ids": ids})
+    lp = check_float(lp, "top_logprobs")
+    ids = check_integer_dtype(ids, "top_ids")
+    if validate:
+        check_finite(lp, "top_logprobs")
+        check_sorted_desc(lp, "top_logprobs")
+        check_id_range(ids, "top_ids", vocab_size)
+    return lp.contiguous(), ids.contiguous()
