@@ -1,0 +1,1 @@
+"""Triton (or CUDA) implementations, one file per op, named and shaped like its ref twin."""
