@@ -50,9 +50,7 @@ def load_official(path: str | Path) -> Callable:
         raise ValueError(f"path: no ddtree.py under {path} (a checkout of liranringel/ddtree is expected)")
     stubs = {
         "loguru": _stub_module("loguru", logger=_stub_module("logger", info=print, warning=print)),
-        "model": _stub_module(
-            "model", DFlashDraftModel=object, sample=None, extract_context_feature=None
-        ),
+        "model": _stub_module("model", DFlashDraftModel=object, sample=None, extract_context_feature=None),
         "dflash": _stub_module(
             "dflash",
             dflash_generate=None,

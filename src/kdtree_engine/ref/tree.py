@@ -85,7 +85,8 @@ def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def logits_to_topk(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_logits [B, L, V] -> (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), k = min(budget, V).
+    """draft_logits [B, L, V] -> (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64),
+    k = min(budget, V).
 
     Same float32 arithmetic as the official builder: top-k of the logits minus their logsumexp.
     """

@@ -58,5 +58,8 @@ def main(args: argparse.Namespace) -> int:
         target[0, i] = logits[0, d].argmax() if d < args.depth else 0
     result = accept_greedy(tree, target, impl=args.impl)
     n = int(result.accept_len[0])
-    print(f"accept (target = drafter argmax): nodes {result.accepted[0, :n].tolist()}, bonus {int(result.bonus[0])}")
+    print(
+        f"accept (target = drafter argmax): nodes {result.accepted[0, :n].tolist()}, "
+        f"bonus {int(result.bonus[0])}"
+    )
     return 0

@@ -83,9 +83,7 @@ def check_topk_inputs(top_logprobs, top_ids, vocab_size: int | None, validate: b
     check_rank(lp, "top_logprobs", 3, "[B, L, K]")
     check_rank(ids, "top_ids", 3, "[B, L, K]")
     if lp.shape != ids.shape:
-        raise ValueError(
-            f"top_ids: shape {tuple(ids.shape)} does not match top_logprobs {tuple(lp.shape)}"
-        )
+        raise ValueError(f"top_ids: shape {tuple(ids.shape)} does not match top_logprobs {tuple(lp.shape)}")
     if lp.shape[-1] == 0:
         raise ValueError("top_logprobs: K (last dim) must be >= 1")
     check_same_device({"top_logprobs": lp, "top_ids": ids})
