@@ -1,0 +1,409 @@
+"""Tree-verify MLA attention (absorbed form) in Triton. Same contract as ref/mla_attention.py.
+
+Design (DESIGN.md section 2): the t*h query rows of a request form one M dimension, so every KV tile is
+loaded once per block of BLOCK_M rows and fed to two tensor-core products (QK^T over d_c + d_r, then
+PV over the first d_v = d_c dims of the same tile). The KV range of each request is cut into
+`num_splits` chunks (split-KV); inside a chunk, whole tiles that lie in the prefix run without any mask,
+and the few tiles that touch the tree (the last t slots) or the end of the chunk run masked: column j
+of the tree is visible to row (i, head) iff visible[i, j]. Chunks are merged by their log-sum-exp in a
+second small kernel; with one chunk the first kernel writes the final output directly.
+
+Kernels assume validated inputs (attention.py validates at the public boundary).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MASK_VISIBILITY, MASK_BITS, MASK_CAUSAL = 0, 1, 2
+
+
+def _patch_interpreter() -> None:
+    """Two Triton 3.6 interpreter bugs (CPU only; compiled kernels are untouched): scalars are
+    1-element arrays whose `__index__` calls int(), which numpy >= 2.3 refuses, so `range()` over a
+    loaded bound fails; and `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns.
+    Index the element, and widen bf16 operands to float32 (exact) before the product."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_kdtree_patched", False):
+        return
+    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def widen(x):
+        if x.dtype != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter._kdtree_patched = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Launch shape of the split-KV kernel."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@triton.jit
+def _row_offsets(
+    b, pos, valid, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED: tl.constexpr, PAGE: tl.constexpr
+):
+    """Element offsets of cache rows `pos` [BLOCK_N] of request b (contiguous or paged cache)."""
+    if PAGED:
+        page = tl.load(bt_ptr + b * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        return page * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks
+    else:
+        return b.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_ks
+
+
+@triton.jit
+def _tree_visible(vis_ptr, b, rows, j, row_ok, col_ok, stride_vb, stride_vi, H, MASK_MODE: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] bool: query row (i = rows // H) sees tree column j (j >= 0 where col_ok)."""
+    i = rows // H  # [BLOCK_M] tree node of each query row
+    ok = row_ok[:, None] & col_ok[None, :]
+    if MASK_MODE == 0:  # visibility [b, t, t] as uint8
+        v = tl.load(vis_ptr + b * stride_vb + i[:, None] * stride_vi + j[None, :], mask=ok, other=0)
+        return ok & (v != 0)
+    elif MASK_MODE == 1:  # ancestor_bits [b, t] int64, bit j of row i
+        bits = tl.load(vis_ptr + b * stride_vb + i, mask=row_ok, other=0)
+        jj = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)
+        return ok & (((bits[:, None] >> jj[None, :]) & 1) != 0)
+    else:  # causal
+        return ok & (j[None, :] <= i[:, None])
+
+
+@triton.jit
+def _load_rows(ptr, rows, offs_d, row_ok, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """[len(rows), BLOCK_D] tile; masks only where a constexpr says they can matter (else plain loads)."""
+    ptrs = ptr + rows[:, None] + offs_d[None, :]
+    if MASK_ROWS:
+        if BLOCK_D == D:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        return tl.load(ptrs, mask=row_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if BLOCK_D == D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _scores(
+    q_c,
+    q_r,
+    kv_ptr,
+    rows,
+    row_ok,
+    offs_dc,
+    offs_dr,
+    qk_scale,
+    D_C: tl.constexpr,
+    D_R: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One KV tile: log2-domain scores [BM, BN] and the latent part of the tile [BN, BDC] (the value)."""
+    kv_c = _load_rows(kv_ptr, rows, offs_dc, row_ok, D_C, BLOCK_DC, MASKED)  # [BN, BDC]
+    if D_R > 0:
+        kv_r = _load_rows(kv_ptr + D_C, rows, offs_dr, row_ok, D_R, BLOCK_DR, MASKED)  # [BN, BDR]
+        s = tl.dot(q_r, tl.trans(kv_r), input_precision=DOT_PREC)
+        s = tl.dot(q_c, tl.trans(kv_c), acc=s, input_precision=DOT_PREC)
+    else:
+        s = tl.dot(q_c, tl.trans(kv_c), input_precision=DOT_PREC)
+    return s * qk_scale, kv_c
+
+
+@triton.jit
+def _update(acc, m_i, l_i, s, kv_c, DOT_PREC: tl.constexpr):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(kv_c.dtype), kv_c, acc=acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _split_kv_kernel(
+    q_ptr,
+    kv_ptr,
+    seqlens_ptr,
+    vis_ptr,
+    bt_ptr,
+    out_ptr,
+    lse_ptr,
+    T,
+    H,
+    M,
+    num_splits,
+    qk_scale,
+    stride_qb,
+    stride_kb,
+    stride_ks,
+    stride_btb,
+    stride_vb,
+    stride_vi,
+    stride_ob,
+    stride_os,
+    stride_lb,
+    stride_ls,
+    D_C: tl.constexpr,
+    D_R: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
+    MASK_MODE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    pid_m, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    D: tl.constexpr = D_C + D_R
+    HAS_ROPE: tl.constexpr = D_R > 0
+    seqlen = tl.load(seqlens_ptr + b).to(tl.int32)
+    prefix = seqlen - T
+    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
+    n_free = tl.maximum(tl.minimum(hi, prefix) - lo, 0) // BLOCK_N  # whole tiles inside the prefix
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query rows (i * H + head)
+    row_ok = rows < M
+    offs_dc = tl.arange(0, BLOCK_DC)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + rows[:, None].to(tl.int64) * D
+    q_c = tl.load(q_base + offs_dc[None, :], mask=row_ok[:, None] & (offs_dc < D_C)[None, :], other=0.0)
+    q_r = q_c  # placeholder when there are no rope dims
+    if HAS_ROPE:
+        q_r = tl.load(
+            q_base + D_C + offs_dr[None, :], mask=row_ok[:, None] & (offs_dr < D_R)[None, :], other=0.0
+        )
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DC], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for n in range(0, n_free):  # prefix tiles: no mask at all
+        pos = lo + n * BLOCK_N + cols
+        offsets = _row_offsets(b, pos, pos < hi, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED, PAGE)
+        s, kv_c = _scores(
+            q_c,
+            q_r,
+            kv_ptr,
+            offsets,
+            pos < hi,
+            offs_dc,
+            offs_dr,
+            qk_scale,
+            D_C,
+            D_R,
+            BLOCK_DC,
+            BLOCK_DR,
+            False,
+            DOT_PREC,
+        )
+        acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+    for start in range(lo + n_free * BLOCK_N, hi, BLOCK_N):  # tiles touching the tree or the chunk end
+        pos = start + cols
+        in_range = pos < hi
+        offsets = _row_offsets(b, pos, in_range, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED, PAGE)
+        s, kv_c = _scores(
+            q_c,
+            q_r,
+            kv_ptr,
+            offsets,
+            in_range,
+            offs_dc,
+            offs_dr,
+            qk_scale,
+            D_C,
+            D_R,
+            BLOCK_DC,
+            BLOCK_DR,
+            True,
+            DOT_PREC,
+        )
+        j = pos - prefix
+        tree = _tree_visible(
+            vis_ptr, b, rows, j, row_ok, in_range & (j >= 0), stride_vb, stride_vi, H, MASK_MODE
+        )
+        visible = tree | (in_range & (j < 0))[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_base = out_ptr + b.to(tl.int64) * stride_ob + split.to(tl.int64) * stride_os
+    tl.store(
+        o_base + rows[:, None].to(tl.int64) * D_C + offs_dc[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dc < D_C)[None, :],
+    )
+    tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr,
+    plse_ptr,
+    out_ptr,
+    lse_ptr,
+    M,
+    num_splits,
+    stride_pb,
+    stride_ps,
+    stride_lb,
+    stride_ls,
+    D_C: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """out[b, rows] = sum_s exp(lse_s - lse) * part_s, lse = logsumexp_s(lse_s)."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < M
+    offs_dc = tl.arange(0, BLOCK_DC)
+    lse_base = plse_ptr + b.to(tl.int64) * stride_lb + rows
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_base + s * stride_ls, mask=row_ok, other=float("-inf")))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DC], tl.float32)
+    mask = row_ok[:, None] & (offs_dc < D_C)[None, :]
+    part_base = part_ptr + b.to(tl.int64) * stride_pb + rows[:, None].to(tl.int64) * D_C + offs_dc[None, :]
+    for s in range(0, num_splits):
+        w = tl.exp(tl.load(lse_base + s * stride_ls, mask=row_ok, other=float("-inf")) - m_safe)  # [BR]
+        part = tl.load(part_base + s * stride_ps, mask=mask & (w > 0)[:, None], other=0.0)
+        acc += w[:, None] * part
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(
+        out_ptr + b.to(tl.int64) * M * D_C + rows[:, None].to(tl.int64) * D_C + offs_dc[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(lse_ptr + b.to(tl.int64) * M + rows, lse, mask=row_ok)
+
+
+def pick_config(dtype: torch.dtype, rows: int, d_c: int) -> Config:
+    """Launch shape by dtype and rows per request (t*h): wide M tiles feed the tensor cores when rows
+    are many; narrow ones waste less when rows are few (decode); float32 keeps exact fp32 products."""
+    if dtype == torch.float32:
+        return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
+    if rows <= 16:
+        return Config(block_m=16, block_n=64, num_warps=4, num_stages=2)
+    return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
+
+
+def pick_num_splits(b: int, m_blocks: int, max_len: int, cfg: Config, d_c: int, d: int, slots: int) -> int:
+    """Split count minimizing a cost model, in units of one KV tile's time on one multiprocessor:
+    waves of programs times tiles per program, plus writing and re-reading each split's partial output."""
+    tiles = max(1, triton.cdiv(max_len, cfg.block_n))
+    merge = cfg.block_m * d_c * 8 / (cfg.block_n * d * 2)  # partial out write + read vs one KV tile
+    best, best_cost = 1, float("inf")
+    for s in range(1, min(64, tiles) + 1):
+        programs = b * m_blocks * s
+        cost = triton.cdiv(programs, slots) * triton.cdiv(tiles, s)
+        if s > 1:
+            cost += programs * merge / slots + 2
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def _mask_args(visibility, ancestor_bits, causal, dummy):
+    if causal:
+        return MASK_CAUSAL, dummy, 0, 0
+    if ancestor_bits is not None:
+        return MASK_BITS, ancestor_bits, ancestor_bits.stride(0), 0
+    vis = visibility.view(torch.uint8) if visibility.dtype == torch.bool else visibility
+    return MASK_VISIBILITY, vis, vis.stride(0), vis.stride(1)
+
+
+def tree_mla_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    visibility: torch.Tensor | None,
+    softmax_scale: float,
+    d_v: int,
+    block_table: torch.Tensor | None = None,
+    *,
+    ancestor_bits: torch.Tensor | None = None,
+    causal: bool = False,
+    max_seqlen: int | None = None,
+    config: Config | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [b, t, h, d] bf16/fp16/fp32; kv_cache [b, s_max, d] or [pages, page_size, d] with block_table
+    [b, max_pages] int; cache_seqlens [b] int (prefix + t); visibility [b, t, t] bool, or ancestor_bits
+    [b, t] int64, or causal=True. Returns out [b, t, h, d_v] in q's dtype and lse [b, t, h] float32.
+    max_seqlen (a bound on cache_seqlens, else the capacity) only steers the split count."""
+    b, t, h, d = q.shape
+    rows = t * h
+    q = q.contiguous()
+    if kv_cache.stride(-1) != 1:
+        kv_cache = kv_cache.contiguous()
+    paged = block_table is not None
+    capacity = block_table.shape[1] * kv_cache.shape[1] if paged else kv_cache.shape[1]
+    cfg = config or pick_config(q.dtype, rows, d_v)
+    m_blocks = triton.cdiv(rows, cfg.block_m)
+    if num_splits is None:
+        slots = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        num_splits = pick_num_splits(b, m_blocks, max_seqlen or capacity, cfg, d_v, d, slots)
+    out = torch.empty(b, t, h, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, t, h, dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        part, plse, sob, sos, slb, sls = out, lse, rows * d_v, 0, rows, 0
+    else:
+        part = torch.empty(b, num_splits, rows, d_v, dtype=torch.float32, device=q.device)
+        plse = torch.empty(b, num_splits, rows, dtype=torch.float32, device=q.device)
+        sob, sos, slb, sls = part.stride(0), part.stride(1), plse.stride(0), plse.stride(1)
+    mode, vis, svb, svi = _mask_args(visibility, ancestor_bits, causal, cache_seqlens)
+    bt = block_table if paged else cache_seqlens
+    _split_kv_kernel[(m_blocks, num_splits, b)](
+        q, kv_cache, cache_seqlens, vis, bt, part, plse,
+        t, h, rows, num_splits, softmax_scale * LOG2E,
+        q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), svb, svi, sob, sos, slb, sls,
+        D_C=d_v, D_R=d - d_v, BLOCK_DC=triton.next_power_of_2(d_v),
+        BLOCK_DR=max(16, triton.next_power_of_2(max(d - d_v, 1))),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE=kv_cache.shape[1] if paged else 1,
+        MASK_MODE=mode, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        block_r = 16
+        _merge_kernel[(triton.cdiv(rows, block_r), b)](
+            part, plse, out, lse, rows, num_splits, part.stride(0), part.stride(1), plse.stride(0),
+            plse.stride(1), D_C=d_v, BLOCK_DC=triton.next_power_of_2(d_v), BLOCK_R=block_r, num_warps=4,
+        )  # fmt: skip
+    return out, lse
