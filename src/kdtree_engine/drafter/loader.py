@@ -1,0 +1,89 @@
+"""Loading and saving DFlash drafters in the published format (config.json + safetensors, optionally
+sharded with model.safetensors.index.json), and seeded random drafters for tests and demos."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kdtree_engine.drafter.config import DFlashConfig
+from kdtree_engine.drafter.model import DFlashDrafter
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"path: no *.safetensors file in {path}")
+    return files
+
+
+def _strip_prefix(name: str) -> str:
+    # Some exports wrap the drafter in a `model.` namespace; the module itself has none.
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> DFlashDrafter:
+    """path: a checkpoint directory with config.json and safetensors. Every tensor of the drafter must
+    be present and no other tensor (embed_tokens / lm_head copies, if shipped, are ignored)."""
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise ValueError(f"path: {path} has no config.json")
+    config = DFlashConfig.from_json(path / "config.json")
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    state: dict[str, torch.Tensor] = {}
+    for f in _weight_files(path):
+        for name, t in load_file(str(f)).items():
+            state[_strip_prefix(name)] = t
+    for shared in ("embed_tokens.weight", "lm_head.weight"):
+        state.pop(shared, None)
+    expected = dict(drafter.state_dict())
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"path: checkpoint tensors do not match the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, t in state.items():
+        if tuple(t.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"path: tensor {name} has shape {tuple(t.shape)}, "
+                f"config implies {tuple(expected[name].shape)}"
+            )
+    drafter = drafter.to_empty(device=device)
+    drafter.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+    return drafter.to(dtype).eval()
+
+
+def save_drafter(drafter: DFlashDrafter, path: str | Path) -> None:
+    """Writes config.json and model.safetensors in the published layout."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+
+
+def random_drafter(
+    config: DFlashConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu"
+) -> DFlashDrafter:
+    """A seeded random drafter (the global RNG is left untouched). Norm weights are randomized too,
+    so that a loader mixing up tensor names cannot go unnoticed."""
+    gen = torch.Generator().manual_seed(seed)
+    drafter = DFlashDrafter(config)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                bound = p.shape[-1] ** -0.5
+                p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1) * bound)
+    return drafter.to(device=device, dtype=dtype).eval()

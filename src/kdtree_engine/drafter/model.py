@@ -1,0 +1,212 @@
+"""The DFlash drafter: Qwen3-style layers (q/k RMSNorm, GQA, rope) whose keys and values are the target's
+context features (fc + RMSNorm over the concatenated hidden states of `target_layer_ids`) followed by
+the block [bonus, MASK x L]; attention inside the block is bidirectional. Embeddings and lm_head are the
+target's. The drafter's own KV cache keeps only context rows: block rows are recomputed every round.
+
+Dimension names: B batch, C new context rows, T = block_size = L + 1, S cached context rows,
+H hidden, F = len(target_layer_ids) * H, h heads, g kv heads, d head_dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdtree_engine.drafter.config import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalize in float32, scale by the weight in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """positions [B, T] int64 -> cos, sin [B, T, 1, d] (non-interleaved halves, as Qwen3)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class DrafterCache:
+    """Roped keys and values of the context rows only.
+
+    k, v    [layers, B, max_len, g, d]
+    seqlens [B] int64  context rows in use (== the position of the next context row)
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    seqlens: torch.Tensor
+
+    @property
+    def max_len(self) -> int:
+        return int(self.k.shape[2])
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        h, g, d, hid = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(hid, h * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(hid, g * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(hid, g * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, hid, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.heads, self.kv_heads, self.head_dim = h, g, d
+
+    def _kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim))
+        return apply_rope(k, cos, sin), self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
+
+    def forward(self, x, ctx, block_rope, ctx_rope, cache_k, cache_v, write, key_valid) -> torch.Tensor:
+        """x [B, T, H] block, ctx [B, C, H] new context; cache_k/v [B, max_len, g, d] (this layer's,
+        updated in place at write = (batch idx, slot, row) of the real context rows);
+        key_valid [B, S] bool over the first S cache slots. Returns [B, T, H]."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim))
+        q = apply_rope(q, *block_rope)  # [B, T, h, d]
+        k_blk, v_blk = self._kv(x, *block_rope)  # [B, T, g, d]
+        k_ctx, v_ctx = self._kv(ctx, *ctx_rope)  # [B, C, g, d]
+        bi, slot, row = write
+        cache_k[bi, slot] = k_ctx[bi, row]
+        cache_v[bi, slot] = v_ctx[bi, row]
+        s = key_valid.shape[1]
+        k = torch.cat([cache_k[:, :s], k_blk], dim=1)  # [B, S + T, g, d]
+        v = torch.cat([cache_v[:, :s], v_blk], dim=1)
+        rep = self.heads // self.kv_heads
+        k, v = (z.repeat_interleave(rep, dim=2).transpose(1, 2) for z in (k, v))  # [B, h, S + T, d]
+        mask = torch.cat([key_valid, key_valid.new_ones(b, t)], dim=1)[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)  # [B, h, T, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = DFlashMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, *attn_args) -> torch.Tensor:
+        # As the official layer: the context features are NOT normalized per layer, only the block is.
+        x = x + self.self_attn(self.input_layernorm(x), ctx, *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names follow the published checkpoints: layers.N.self_attn.q_proj.weight, fc.weight,
+    hidden_norm.weight, norm.weight, ... (no embedding, no lm_head: those are the target's)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def new_cache(self, batch_size: int, max_len: int) -> DrafterCache:
+        c, p = self.config, self.fc.weight
+        shape = (c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim)
+        return DrafterCache(
+            k=p.new_zeros(shape),
+            v=p.new_zeros(shape),
+            seqlens=torch.zeros(batch_size, dtype=torch.int64, device=p.device),
+        )
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        context: torch.Tensor,
+        context_lens: torch.Tensor,
+        start: torch.Tensor,
+        cache: DrafterCache,
+    ) -> torch.Tensor:
+        """block_embeds [B, T, H] (target-embedded [bonus, MASK x L]); context [B, C, F] target hidden
+        states of the rows since the last call (C may be 0), context_lens [B] int64 real rows per request;
+        start [B] int64 position of the bonus token, == cache.seqlens + context_lens.
+        Appends the context rows to the cache and returns the final-normed hidden states [B, T, H]."""
+        b, t, _ = block_embeds.shape
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(context.to(dtype)))  # [B, C, H]
+        c = ctx.shape[1]
+        arange_c = torch.arange(c, device=ctx.device)
+        ctx_pos = cache.seqlens[:, None] + arange_c  # [B, C]
+        blk_pos = start[:, None] + torch.arange(t, device=ctx.device)  # [B, T]
+        bi, row = (arange_c[None, :] < context_lens[:, None]).nonzero(as_tuple=True)
+        write = (bi, ctx_pos[bi, row], row)
+        new_len = cache.seqlens + context_lens
+        s = int(new_len.max()) if b else 0
+        key_valid = torch.arange(s, device=ctx.device)[None, :] < new_len[:, None]  # [B, S]
+        block_rope, ctx_rope = self._rope(blk_pos, dtype), self._rope(ctx_pos, dtype)
+        x = block_embeds.to(dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, block_rope, ctx_rope, cache.k[i], cache.v[i], write, key_valid)
+        cache.seqlens = new_len
+        return self.norm(x)
+
+    def draft(
+        self,
+        target,
+        context: torch.Tensor,
+        context_lens: torch.Tensor,
+        bonus: torch.Tensor,
+        start: torch.Tensor,
+        cache: DrafterCache,
+    ) -> torch.Tensor:
+        """One drafting step. target: the model whose embed_tokens / lm_head the drafter borrows;
+        bonus [B] int64 last committed token (not yet in the target cache) at position start [B].
+        Returns draft logits [B, L, V] float32 for positions start + 1 .. start + L."""
+        b = bonus.shape[0]
+        block = bonus.new_full((b, self.block_size), self.config.mask_token_id)
+        block[:, 0] = bonus
+        hidden = self(target.embed_tokens(block), context, context_lens, start, cache)
+        lm_head = target.lm_head
+        return lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).float()

@@ -1,0 +1,80 @@
+"""Generation statistics and per-stage timers (CUDA-synchronized on GPU, so a stage's time is the time
+its kernels took, not the time to enqueue them)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+STAGES = ("prefill", "draft", "tree_build", "compile", "verify", "accept", "commit")
+
+
+class StageTimer:
+    def __init__(self, device: torch.device) -> None:
+        self.sync = device.type == "cuda"
+        self.times = dict.fromkeys(STAGES, 0.0)
+
+    def now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str):
+        t0 = self.now()
+        try:
+            yield
+        finally:
+            self.times[name] += self.now() - t0
+
+
+@dataclass
+class GenerationStats:
+    """Counts for one generate() call over the whole batch.
+
+    target_forwards includes the prefill; accept_lengths holds one entry per (request, verify round)
+    with the number of tokens that round committed (accepted drafted tokens + the bonus token, i.e.
+    the accepted nodes including the root)."""
+
+    method: str
+    batch_size: int
+    new_tokens: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    drafter_forwards: int = 0
+    accept_lengths: list[int] = field(default_factory=list)
+    stage_times: dict[str, float] = field(default_factory=dict)
+    wall_time: float = 0.0
+
+    @property
+    def total_new_tokens(self) -> int:
+        return sum(self.new_tokens)
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens committed per verify round per request (1.0 for autoregressive decoding)."""
+        if not self.accept_lengths:
+            return 1.0
+        return sum(self.accept_lengths) / len(self.accept_lengths)
+
+    @property
+    def accept_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accept_lengths).items()))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.total_new_tokens / self.wall_time if self.wall_time > 0 else float("nan")
+
+    def summary(self) -> str:
+        stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_times.items() if v > 0)
+        hist = " ".join(f"{k}:{v}" for k, v in self.accept_histogram.items())
+        return (
+            f"[{self.method}] {self.total_new_tokens} new tokens (batch {self.batch_size}) in "
+            f"{self.target_forwards} target forwards, {self.drafter_forwards} drafter forwards; "
+            f"mean accepted length {self.mean_accept_len:.2f}"
+            + (f" (histogram {hist})" if hist else "")
+            + f"; {self.tokens_per_s:.1f} tokens/s; stages: {stages}"
+        )
