@@ -1,0 +1,134 @@
+"""Load a Hugging Face DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json + safetensors)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kdtree_engine.model.config import ModelConfig
+from kdtree_engine.model.model import DeepseekV3ForCausalLM
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir: the shards named by the index, or model.safetensors."""
+    if (path / INDEX).is_file():
+        with open(path / INDEX) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [path / n for n in names]
+    elif (path / SINGLE).is_file():
+        files = [path / SINGLE]
+    else:
+        raise FileNotFoundError(f"path: no {SINGLE} or {INDEX} in {path}")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"path: shard {f.name} named in {INDEX} is missing from {path}")
+    return files
+
+
+def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _split_fused(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers' in-memory layout experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I] -> per expert."""
+    prefix, kind = _FUSED.match(name).groups()
+    for e in range(t.shape[0]):
+        if kind == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", t[e]
+        else:
+            gate, up = t[e].chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
+
+
+def canonical_tensors(
+    config: ModelConfig, named: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF checkpoint names -> our parameter names ("model." dropped, fused experts split); tensors of
+    layers >= num_hidden_layers (the MTP layer) and rotary buffers are skipped."""
+    for name, t in named:
+        key = name.removeprefix("model.")
+        layer = _LAYER.match(key)
+        if (layer and int(layer.group(1)) >= config.num_hidden_layers) or key.endswith("rotary_emb.inv_freq"):
+            continue
+        if _FUSED.match(key):
+            yield from _split_fused(key, t)
+        else:
+            yield key, t
+
+
+def _target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The router stays float32, as transformers' _keep_in_fp32_modules_strict."""
+    return torch.float32 if name.endswith(("mlp.gate.weight", "e_score_correction_bias")) else dtype
+
+
+def state_dict_from_hf(
+    model: DeepseekV3ForCausalLM,
+    named: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> dict[str, torch.Tensor]:
+    """Checked, converted state dict; ValueError naming missing / extra tensors or a shape mismatch."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    extra = []
+    for key, t in canonical_tensors(model.config, named):
+        if key not in expected:
+            extra.append(key)
+        elif tuple(t.shape) != expected[key]:
+            raise ValueError(
+                f"checkpoint: tensor {key!r} has shape {tuple(t.shape)}, expected {expected[key]}"
+            )
+        else:
+            state[key] = t.to(device=device, dtype=_target_dtype(key, dtype))
+    if extra:
+        raise ValueError(f"checkpoint: unexpected tensors {sorted(extra)[:8]} ({len(extra)} in all)")
+    if model.config.tie_word_embeddings and "embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"checkpoint: missing tensors {missing[:8]} ({len(missing)} in all)")
+    return state
+
+
+def model_from_hf_tensors(
+    config: ModelConfig,
+    named: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> DeepseekV3ForCausalLM:
+    """Build the model from (HF name, tensor) pairs without a random init (meta device + assign)."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    model.load_state_dict(state_dict_from_hf(model, named, dtype, device), strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> DeepseekV3ForCausalLM:
+    """Load a HF checkpoint dir: config.json and model.safetensors or a sharded model.safetensors.index.json.
+
+    Raises FileNotFoundError for a missing file, ValueError for an unsupported config value, a missing or
+    unexpected tensor, or a shape mismatch. Weights are cast to `dtype` (router kept float32).
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"path: no config.json in {path}")
+    config = ModelConfig.from_json(path / "config.json")
+    return model_from_hf_tensors(config, _iter_tensors(checkpoint_files(path)), dtype, device)

@@ -1,0 +1,111 @@
+"""Multi-head latent attention (MLA) on the latent cache, absorbed form, Hugging Face parameter names.
+
+Per token: c_kv = kv_a_layernorm(kv_a_proj_with_mqa(x)[:r]) and the roped k_pe go to the cache
+(r + d_r values); the query is absorbed, q_abs = [q_nope @ W_UK, roped q_pe], so attention works on
+the latent rows directly, and the latent output o is lifted by W_UV before o_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdtree_engine.attention import tree_mla_attention
+from kdtree_engine.model.config import ModelConfig
+from kdtree_engine.model.rope import apply_rope
+
+
+class RMSNorm(nn.Module):
+    """As transformers' DeepseekV3RMSNorm: statistics in float32, cast back, then times the weight."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLAttention(nn.Module):
+    """One layer's MLA. Parameters as in HF checkpoints: q_proj or q_a_proj/q_a_layernorm/q_b_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj ([h * (d_nope + d_v), r]), o_proj."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        h, dq, bias = c.num_attention_heads, c.qk_head_dim, c.attention_bias
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, h * dq, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, h * dq, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=bias)
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, t, hidden] -> q [b, t, h, qk_head_dim]."""
+        if self.c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:2], self.c.num_attention_heads, self.c.qk_head_dim)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [h, d_nope, r] and W_UV [h, d_v, r], views of kv_b_proj.weight."""
+        c = self.c
+        w = self.kv_b_proj.weight.view(
+            c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank
+        )
+        return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
+
+    def latent_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, t, hidden] -> cache rows [b, t, r + d_r]: normalized c_kv then roped k_pe."""
+        c = self.c
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [b, t, d_r]
+        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+
+    def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, t, hidden] -> q_abs [b, t, h, r + d_r] = [q_nope @ W_UK, roped q_pe]."""
+        c = self.c
+        q_nope, q_pe = self._query(x).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        w_uk, _ = self._w_uk_uv()
+        q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [b, t, h, r]
+        return torch.cat([q_lat, apply_rope(q_pe, cos, sin, c.rope_interleave)], dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_layer: torch.Tensor,
+        start: torch.Tensor,
+        visibility: torch.Tensor,
+        impl: str | None,
+    ) -> torch.Tensor:
+        """x [b, t, hidden]; kv_layer [b, max_len, r + d_r] (written in place at start[b] + 0..t-1);
+        start [b] int64 prefix lengths; visibility [b, t, t] bool -> [b, t, hidden]."""
+        b, t, _ = x.shape
+        slots = start[:, None] + torch.arange(t, device=x.device)  # [b, t]
+        kv_layer[torch.arange(b, device=x.device)[:, None], slots] = self.latent_rows(x, cos, sin).to(
+            kv_layer.dtype
+        )
+        q = self.absorbed_query(x, cos, sin).to(kv_layer.dtype)  # [b, t, h, r + d_r]
+        out, _ = tree_mla_attention(
+            q,
+            kv_layer,
+            start + t,
+            softmax_scale=self.c.softmax_scale,
+            d_v=self.c.kv_lora_rank,
+            visibility=visibility,
+            impl=impl,
+        )  # [b, t, h, r]
+        _, w_uv = self._w_uk_uv()
+        v = torch.einsum("bthr,hdr->bthd", out.to(x.dtype), w_uv)  # [b, t, h, d_v]
+        return self.o_proj(v.reshape(b, t, -1))
