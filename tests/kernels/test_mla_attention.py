@@ -1,0 +1,244 @@
+"""Triton tree-verify MLA attention against the float32 reference, on fresh random inputs.
+
+CPU CI runs the kernel through the Triton interpreter at small shapes (d = 32 + 8, few heads, short
+caches); the full sweep (d = 512 + 64, h up to 64, t up to 65, prefixes up to 1000) is marked gpu.
+Every cache slot the kernel must not read (beyond cache_seqlens, unused pages) holds NaN.
+Tolerances: float32 inputs 1e-4 (abs and rel); bf16 inputs 2e-2 on out (bf16 output rounding and bf16
+probabilities in P @ V) and 2e-3 on lse (fp32 accumulation of exact bf16 products).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdtree_engine.attention import tree_mla_attention
+from kdtree_engine.kernels import mla_attention as kernels
+from kdtree_engine.ref import mla_attention as ref
+
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-3)}  # (out, lse)
+
+
+def make_tree(kind: str, t: int, gen: torch.Generator) -> torch.Tensor:
+    """Visibility [t, t] bool of a tree whose nodes are numbered parents-first (node 0 is the root)."""
+    vis = torch.eye(t, dtype=torch.bool)
+    for i in range(1, t):
+        parent = {"chain": i - 1, "star": 0}.get(kind)
+        if parent is None:
+            parent = int(torch.randint(0, i, (1,), generator=gen))
+        vis[i] |= vis[parent]
+    return vis
+
+
+def make_inputs(b, t, h, d_c, d_r, prefixes, dtype, page, tree, gen, capacity=None):
+    """Random q, NaN-poisoned cache (contiguous if page is None, else paged with a shuffled block
+    table), lengths, visibility [b, t, t] and ancestor bits (t <= 64)."""
+    d = d_c + d_r
+    lengths = torch.tensor([p + t for p in prefixes])
+    s_max = capacity or int(lengths.max())
+    q = torch.randn(b, t, h, d, generator=gen).to(dtype)
+    vis = torch.stack([make_tree(tree, t, gen) for _ in range(b)])
+    bits = None
+    if t <= 64:
+        weights = torch.tensor([1 << j for j in range(63)] + [-(1 << 63)])[:t]
+        bits = (vis.long() * weights).sum(-1)
+    contiguous = torch.full((b, s_max, d), float("nan"))
+    for r, n in enumerate(lengths.tolist()):
+        contiguous[r, :n] = torch.randn(n, d, generator=gen)
+    if page is None:
+        return q, contiguous.to(dtype), lengths, vis, bits, None
+    max_pages = -(-s_max // page)
+    pages = b * max_pages + 3  # spare pages stay NaN
+    order = torch.randperm(pages, generator=gen)
+    block_table = order[: b * max_pages].view(b, max_pages).int()
+    paged = torch.full((pages, page, d), float("nan"))
+    for r, n in enumerate(lengths.tolist()):
+        for p in range(-(-n // page)):
+            rows = min(page, n - p * page)
+            paged[block_table[r, p], :rows] = contiguous[r, p * page : p * page + rows]
+        block_table[r, -(-n // page) :] = order[-1]  # unused entries point at a NaN page
+    return q, paged.to(dtype), lengths, vis, bits, block_table
+
+
+def assert_close(name, got, want, tol):
+    """|got - want| <= tol * (1 + |want|) everywhere; on failure report the worst element."""
+    got, want = got.float().cpu(), want.float().cpu()
+    assert not got.isnan().any(), f"{name}: NaN at {got.isnan().nonzero()[0].tolist()}"
+    excess = (got - want).abs() - tol * (1 + want.abs())
+    worst = int(excess.argmax())
+    idx = list(torch.unravel_index(torch.tensor(worst), got.shape))
+    idx = [int(i) for i in idx]
+    assert excess.max() <= 0, (
+        f"{name}: worst at {idx}: got {got.flatten()[worst]:.6g}, want {want.flatten()[worst]:.6g} "
+        f"(tol {tol}, rel-norm {((got - want).norm() / want.norm()):.3g})"
+    )
+
+
+def check(device, b, t, h, d_c, d_r, prefixes, dtype, page, tree, seed, **kernel_kwargs):
+    gen = torch.Generator().manual_seed(seed)
+    q, kv, lengths, vis, bits, bt = make_inputs(b, t, h, d_c, d_r, prefixes, dtype, page, tree, gen)
+    scale = (d_c + d_r) ** -0.5 * 1.3
+    want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c, bt)
+    to = {"device": device}
+    args = [x.to(**to) if x is not None else None for x in (q, kv, lengths, vis, bt)]
+    got_out, got_lse = kernels.tree_mla_attention(
+        args[0], args[1], args[2], args[3], scale, d_c, args[4], **kernel_kwargs
+    )
+    assert got_out.dtype == dtype and got_out.shape == (b, t, h, d_c)
+    assert got_lse.dtype == torch.float32 and got_lse.shape == (b, t, h)
+    tol_out, tol_lse = TOL[dtype]
+    assert_close("out", got_out, want_out, tol_out)
+    assert_close("lse", got_lse, want_lse, tol_lse)
+
+
+SMALL = [  # (t, h, prefixes, page, tree, splits)
+    (1, 1, [0, 1, 64], None, "chain", None),
+    (2, 2, [63, 0, 65], 1, "chain", None),
+    (9, 1, [64, 3], 64, "random", 3),
+    (9, 2, [0, 130], None, "star", 2),
+    (17, 1, [65, 1], 16, "random", None),
+    (17, 2, [100], None, "random", 4),
+    (33, 1, [0, 63], 64, "star", 2),
+    (65, 1, [1, 64], None, "random", None),
+    (2, 8, [0, 1, 63, 64, 65], 64, "random", None),
+    (9, 16, [1, 63], 1, "chain", 2),
+    (5, 4, [200, 0, 129], None, "random", 5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SMALL, ids=lambda c: f"t{c[0]}-h{c[1]}-p{c[3]}-{c[4]}-s{c[5]}")
+def test_small_dims_match_reference(device, case, dtype):
+    t, h, prefixes, page, tree, splits = case
+    check(
+        device,
+        len(prefixes),
+        t,
+        h,
+        32,
+        8,
+        prefixes,
+        dtype,
+        page,
+        tree,
+        seed=t * 1000 + h * 100 + sum(prefixes),
+        num_splits=splits,
+    )
+
+
+@pytest.mark.parametrize("d_c,d_r", [(64, 16), (32, 0)])
+def test_other_head_dims(device, d_c, d_r):
+    check(device, 2, 5, 3, d_c, d_r, [7, 70], torch.float32, None, "random", seed=d_c + d_r)
+
+
+def test_fixed_config_small_tiles(device):
+    cfg = kernels.Config(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    check(device, 2, 9, 2, 32, 8, [40, 17], torch.bfloat16, 16, "random", seed=5, config=cfg, num_splits=3)
+
+
+@pytest.mark.parametrize("mask", ["bits", "causal"])
+def test_public_op_mask_forms(device, mask):
+    gen = torch.Generator().manual_seed(7)
+    b, t, h = 2, 9, 2
+    q, kv, lengths, vis, bits, bt = make_inputs(b, t, h, 32, 8, [20, 66], torch.float32, 64, "random", gen)
+    q, kv, lengths, vis, bits, bt = (x.to(device) for x in (q, kv, lengths, vis, bits, bt))
+    kwargs = {"ancestor_bits": bits} if mask == "bits" else {}
+    want_vis = (
+        vis if mask == "bits" else torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+    )
+    got = tree_mla_attention(
+        q, kv, lengths, softmax_scale=0.2, d_v=32, block_table=bt, impl="triton", **kwargs
+    )
+    want = ref.tree_mla_attention(q, kv, lengths, want_vis, 0.2, 32, bt)
+    assert_close("out", got[0], want[0], 1e-4)
+    assert_close("lse", got[1], want[1], 1e-4)
+    via_ref = tree_mla_attention(
+        q, kv, lengths, softmax_scale=0.2, d_v=32, block_table=bt, impl="ref", **kwargs
+    )
+    assert_close("ref out", via_ref[0], want[0], 1e-6)
+
+
+def _valid(device):
+    gen = torch.Generator().manual_seed(3)
+    q, kv, lengths, vis, bits, _ = make_inputs(2, 4, 2, 32, 8, [5, 6], torch.float32, None, "random", gen)
+    return {"q": q, "kv_cache": kv, "cache_seqlens": lengths, "visibility": vis}
+
+
+BAD = {
+    "q": lambda a: {"q": a["q"].double()},
+    "d_v": lambda a: {"d_v": 41},
+    "kv_cache": lambda a: {"kv_cache": a["kv_cache"][..., :39]},
+    "cache_seqlens": lambda a: {"cache_seqlens": a["cache_seqlens"] - 6},
+    "visibility": lambda a: {"visibility": a["visibility"] & ~torch.eye(4, dtype=torch.bool)},
+    "ancestor_bits": lambda a: {"ancestor_bits": torch.ones(2, 4, dtype=torch.long)},
+    "softmax_scale": lambda a: {"softmax_scale": float("nan")},
+    "block_table": lambda a: {"block_table": torch.zeros(3, 2, dtype=torch.int32)},
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_inputs_raise(name):
+    args = _valid("cpu")
+    kwargs = {"softmax_scale": 0.1, "d_v": 32, **{k: v for k, v in args.items() if k != "q"}}
+    kwargs.update(BAD[name](args))
+    if name == "ancestor_bits":
+        kwargs.pop("visibility")  # bits == 1 everywhere: row 1 lacks its own bit 1
+    q = kwargs.pop("q", args["q"])
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        tree_mla_attention(q, kwargs.pop("kv_cache"), kwargs.pop("cache_seqlens"), impl="ref", **kwargs)
+
+
+def test_too_long_and_both_masks_raise():
+    args = _valid("cpu")
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        tree_mla_attention(args["q"], args["kv_cache"], args["cache_seqlens"] + 5, softmax_scale=0.1, d_v=32)
+    with pytest.raises(ValueError, match="ancestor_bits"):
+        tree_mla_attention(
+            args["q"],
+            args["kv_cache"],
+            args["cache_seqlens"],
+            softmax_scale=0.1,
+            d_v=32,
+            visibility=args["visibility"],
+            ancestor_bits=torch.full((2, 4), -1),
+        )
+
+
+# Full sweep on the GPU: Kimi dims, every cache length of the issue in one ragged batch.
+PREFIXES = [0, 1, 63, 64, 65, 1000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [None, 1, 64])
+@pytest.mark.parametrize("tree", ["chain", "star", "random"])
+@pytest.mark.parametrize("h", [1, 8, 16, 64])
+@pytest.mark.parametrize("t", [1, 2, 9, 17, 33, 65])
+def test_gpu_full_sweep(device, t, h, tree, page):
+    check(device, len(PREFIXES), t, h, 512, 64, PREFIXES, torch.bfloat16, page, tree, seed=t * 100 + h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "t,h,dtype", [(512, 8, torch.bfloat16), (600, 2, torch.bfloat16), (9, 16, torch.float32)]
+)
+def test_gpu_long_prefill_and_float32(device, t, h, dtype):
+    check(device, 2, t, h, 512, 64, [0, 300], dtype, None, "chain", seed=t)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, 7, 32])
+def test_gpu_split_counts(device, splits):
+    check(
+        device,
+        3,
+        9,
+        64,
+        512,
+        64,
+        [4000, 17, 2500],
+        torch.bfloat16,
+        64,
+        "random",
+        seed=splits,
+        num_splits=splits,
+    )
