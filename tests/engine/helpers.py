@@ -1,0 +1,79 @@
+"""Tiny random targets and test drafters for the engine tests (tests only)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from kdtree_engine.drafter import random_drafter, tiny_drafter_config
+from kdtree_engine.model import generate as model_generate
+from kdtree_engine.model import random_model, tiny_config
+
+
+@lru_cache(maxsize=8)
+def tiny_target(seed: int = 0, vocab_size: int = 96, hidden_size: int = 32, layers: int = 3):
+    """A seeded random tiny DeepSeek-V3 target (dense + MoE layers), float32 on the CPU."""
+    cfg = tiny_config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers)
+    return random_model(cfg, seed=seed)
+
+
+@lru_cache(maxsize=8)
+def tiny_drafter(target_seed: int = 0, seed: int = 100, block_size: int = 8, **target_kw):
+    target = tiny_target(target_seed, **target_kw)
+    return random_drafter(tiny_drafter_config(target.config, block_size=block_size), seed=seed)
+
+
+def random_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+class OracleDrafter:
+    """Knows the target's greedy continuation of every prompt and drafts logits that put the true token
+    at position `pos` at rank `rank(pos)` (0 = top), on top of seeded random logits. `margin` sets the
+    gap between consecutive top ranks; the rest of the vocabulary sits far below."""
+
+    def __init__(
+        self,
+        target,
+        prompts,
+        horizon: int,
+        block_size: int = 8,
+        rank=lambda pos: 0,
+        top: int = 2,
+        margin: float = 0.1,
+        seed: int = 0,
+    ) -> None:
+        self.block_size, self.target_layer_ids = block_size, (0,)
+        self.vocab = target.config.vocab_size
+        cont = model_generate(target, prompts, horizon + block_size + 1)
+        self.sequences = [list(p) + c for p, c in zip(prompts, cont)]
+        self.rank, self.top, self.margin = rank, top, margin
+        self.gen = torch.Generator().manual_seed(seed)
+        self.calls = 0
+
+    def new_cache(self, batch_size: int, max_len: int):
+        return None
+
+    def _row(self, true_token: int | None, pos: int) -> torch.Tensor:
+        logits = torch.randn(self.vocab, generator=self.gen) - 20.0
+        order = torch.randperm(self.vocab, generator=self.gen)
+        if true_token is not None:  # move the true token to rank r
+            r = self.rank(pos)
+            order = order[order != true_token]
+            order = torch.cat([order[:r], torch.tensor([true_token]), order[r:]])
+        for r in range(self.top):
+            logits[order[r]] = 5.0 - self.margin * r
+        return logits
+
+    def draft(self, target, context, context_lens, bonus, start, cache) -> torch.Tensor:
+        self.calls += 1
+        depth = self.block_size - 1
+        rows = []
+        for b, s in enumerate(start.tolist()):
+            seq = self.sequences[b]
+            for i in range(1, depth + 1):
+                pos = s + i
+                rows.append(self._row(seq[pos] if pos < len(seq) else None, pos))
+        return torch.stack(rows).view(len(self.sequences), depth, self.vocab)
