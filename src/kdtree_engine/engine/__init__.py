@@ -1,6 +1,6 @@
 """Generation: autoregressive, DFlash and DDTree loops, sampling, stats."""
 
-from kdtree_engine.engine.generate import METHODS, GenerationOutput, chain_tree, generate
+from kdtree_engine.engine.loop import METHODS, GenerationOutput, chain_tree, generate
 from kdtree_engine.engine.sampling import SamplingParams, pick_tokens, target_probs
 from kdtree_engine.engine.stats import STAGES, GenerationStats
 
