@@ -10,9 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kdtree_engine import attention
 from kdtree_engine.attention import tree_mla_attention
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.model.rope import apply_rope
+
+
+def attention_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the attention op runs in: the model's, or float32 where the op does not take it
+    (float64 models when the public op accepts only bf16 / fp16 / fp32)."""
+    accepted = getattr(attention, "DTYPES", None)
+    return dtype if accepted is None or dtype in accepted else torch.float32
 
 
 class RMSNorm(nn.Module):
@@ -96,10 +104,11 @@ class MLAttention(nn.Module):
         kv_layer[torch.arange(b, device=x.device)[:, None], slots] = self.latent_rows(x, cos, sin).to(
             kv_layer.dtype
         )
-        q = self.absorbed_query(x, cos, sin).to(kv_layer.dtype)  # [b, t, h, r + d_r]
+        adt = attention_dtype(kv_layer.dtype)
+        q = self.absorbed_query(x, cos, sin).to(adt)  # [b, t, h, r + d_r]
         out, _ = tree_mla_attention(
             q,
-            kv_layer,
+            kv_layer.to(adt),
             start + t,
             softmax_scale=self.c.softmax_scale,
             d_v=self.c.kv_lora_rank,
