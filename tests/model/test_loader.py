@@ -1,0 +1,120 @@
+"""load_model on checkpoints written by transformers' save_pretrained (single file and sharded), errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kdtree_engine.model import load_model
+from tests.model.hf_compare import hf_pair, rel_diff
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, Path, object]:
+    """("base" float32 model saved as one file, the same model sharded, the transformers model)."""
+    hf, _ = hf_pair("base", torch.float32)
+    single, sharded = tmp_path_factory.mktemp("single"), tmp_path_factory.mktemp("sharded")
+    hf.save_pretrained(single)
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    return single, sharded, hf
+
+
+def _logits_close(model, hf) -> float:
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return rel_diff(model(ids, model.new_cache(2, 9)).logits, hf(ids).logits)
+
+
+def test_single_file_and_sharded_load(saved) -> None:
+    single, sharded, hf = saved
+    assert (single / "model.safetensors").is_file()
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3
+    names = set(index["weight_map"])
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in names  # per-expert layout on disk
+    for path in (single, sharded):
+        model = load_model(path)
+        assert _logits_close(model, hf) < 1e-5
+
+
+def test_bf16_load_keeps_router_float32(saved) -> None:
+    model = load_model(saved[0], dtype=torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    gate = model.layers[1].mlp.gate
+    assert gate.weight.dtype == torch.float32 and gate.e_score_correction_bias.dtype == torch.float32
+    ref = load_file(saved[0] / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(gate.e_score_correction_bias, ref)
+    model.to(torch.float16)  # a later cast keeps the router too
+    assert gate.weight.dtype == torch.float32
+
+
+def _edit_single(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_mtp_layer_tensors_are_ignored(saved, tmp_path) -> None:
+    def add_mtp(t):  # the published checkpoints carry layer num_hidden_layers (the MTP module)
+        t["model.layers.4.eh_proj.weight"] = torch.zeros(64, 128)
+
+    model = load_model(_edit_single(saved[0], tmp_path / "c", add_mtp))
+    assert _logits_close(model, saved[2]) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda t: t.pop("model.layers.2.self_attn.kv_b_proj.weight"), "missing tensors.*kv_b_proj"),
+        (lambda t: t.update({"model.layers.0.mlp.foo.weight": torch.zeros(2)}), "unexpected tensors.*foo"),
+        (
+            lambda t: t.update({"model.norm.weight": torch.zeros(65)}),
+            r"norm.weight' has shape \(65,\), expected \(64,\)",
+        ),
+    ],
+    ids=["missing", "extra", "shape"],
+)
+def test_bad_tensors_raise(saved, tmp_path, edit, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_model(_edit_single(saved[0], tmp_path / "c", edit))
+
+
+def test_missing_files_raise(saved, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+    shutil.copy(saved[0] / "config.json", tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(tmp_path)
+    shard_dir = tmp_path / "sharded"
+    shutil.copytree(saved[1], shard_dir)
+    victim = sorted(shard_dir.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        load_model(shard_dir)
+
+
+def test_unsupported_config_value_raises(saved, tmp_path) -> None:
+    shutil.copytree(saved[0], tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    (tmp_path / "c" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="longrope"):
+        load_model(tmp_path / "c")
+
+
+def test_tied_embeddings_checkpoint(tmp_path) -> None:
+    hf, _ = hf_pair("kimi_like_tied", torch.float32)
+    hf.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    model = load_model(tmp_path)
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert _logits_close(model, hf) < 1e-5
