@@ -66,6 +66,7 @@ class Config:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
+    skew: bool = False  # apply each tile's P @ V one iteration late (see the kernel)
 
 
 @triton.jit
@@ -149,6 +150,19 @@ def _update(acc, m_i, l_i, s, kv_c, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _skewed_update(acc, m_i, l_i, s, kv_c, p_prev, alpha_prev, v_prev, DOT_PREC: tl.constexpr):
+    """Online softmax step that applies the previous tile's P @ V and returns this tile's (P, alpha,
+    V) to be applied next time."""
+    acc = tl.dot(p_prev, v_prev, acc=acc * alpha_prev[:, None], input_precision=DOT_PREC)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])  # [BM, BN]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i, p.to(kv_c.dtype), alpha, kv_c
+
+
+@triton.jit
 def _split_kv_kernel(
     q_ptr,
     kv_ptr,
@@ -181,6 +195,7 @@ def _split_kv_kernel(
     PAGED: tl.constexpr,
     PAGE: tl.constexpr,
     MASK_MODE: tl.constexpr,
+    SKEW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pid_m, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -209,53 +224,43 @@ def _split_kv_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     cols = tl.arange(0, BLOCK_N)
+    # SKEW: P @ V of tile n runs in iteration n+1 from loop-carried P, alpha and V, so nothing derived
+    # from a tile's scores feeds a product in the same iteration; Triton then spreads the scores over
+    # both warpgroups instead of computing them twice (its layout for "chained" products).
+    p_prev = tl.zeros([BLOCK_M, BLOCK_N], q_c.dtype)
+    alpha_prev = tl.full([BLOCK_M], 1.0, tl.float32)
+    v_prev = tl.zeros([BLOCK_N, BLOCK_DC], q_c.dtype)
     for n in range(0, n_free):  # prefix tiles: no mask at all
         pos = lo + n * BLOCK_N + cols
         offsets = _row_offsets(b, pos, pos < hi, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED, PAGE)
-        s, kv_c = _scores(
-            q_c,
-            q_r,
-            kv_ptr,
-            offsets,
-            pos < hi,
-            offs_dc,
-            offs_dr,
-            qk_scale,
-            D_C,
-            D_R,
-            BLOCK_DC,
-            BLOCK_DR,
-            False,
-            DOT_PREC,
-        )
-        acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+        s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, pos < hi, offs_dc, offs_dr, qk_scale, D_C, D_R,
+                          BLOCK_DC, BLOCK_DR, False, DOT_PREC)  # fmt: skip
+        if SKEW:
+            acc, m_i, l_i, p_prev, alpha_prev, v_prev = _skewed_update(
+                acc, m_i, l_i, s, kv_c, p_prev, alpha_prev, v_prev, DOT_PREC
+            )
+        else:
+            acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
     for start in range(lo + n_free * BLOCK_N, hi, BLOCK_N):  # tiles touching the tree or the chunk end
         pos = start + cols
         in_range = pos < hi
         offsets = _row_offsets(b, pos, in_range, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED, PAGE)
-        s, kv_c = _scores(
-            q_c,
-            q_r,
-            kv_ptr,
-            offsets,
-            in_range,
-            offs_dc,
-            offs_dr,
-            qk_scale,
-            D_C,
-            D_R,
-            BLOCK_DC,
-            BLOCK_DR,
-            True,
-            DOT_PREC,
-        )
+        s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, in_range, offs_dc, offs_dr, qk_scale, D_C, D_R,
+                          BLOCK_DC, BLOCK_DR, True, DOT_PREC)  # fmt: skip
         j = pos - prefix
         tree = _tree_visible(
             vis_ptr, b, rows, j, row_ok, in_range & (j >= 0), stride_vb, stride_vi, H, MASK_MODE
         )
         visible = tree | (in_range & (j < 0))[None, :]
         s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+        if SKEW:
+            acc, m_i, l_i, p_prev, alpha_prev, v_prev = _skewed_update(
+                acc, m_i, l_i, s, kv_c, p_prev, alpha_prev, v_prev, DOT_PREC
+            )
+        else:
+            acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+    if SKEW:  # the last tile's P @ V
+        acc = tl.dot(p_prev, v_prev, acc=acc * alpha_prev[:, None], input_precision=DOT_PREC)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -397,7 +402,7 @@ def tree_mla_attention(
         D_C=d_v, D_R=d - d_v, BLOCK_DC=triton.next_power_of_2(d_v),
         BLOCK_DR=max(16, triton.next_power_of_2(max(d - d_v, 1))),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE=kv_cache.shape[1] if paged else 1,
-        MASK_MODE=mode, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        MASK_MODE=mode, SKEW=cfg.skew, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -1,0 +1,254 @@
+"""`kdtree-engine bench attention`: the Triton tree-verify MLA kernel against naive torch and the roofline.
+
+Kimi-K2 shapes per layer (d_c = 512, d_r = 64, bf16): h heads, t tree nodes per request, s cached
+tokens (prefix + tree) per request, b requests. Work per request: 2*t*h*(576+512)*s FLOPs and 576*2*s
+bytes of cache. Times are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed between
+calls). The roofline is measured in the same run: a device-to-device copy (bytes read + written) and a
+large bf16 matmul; roof% = max(FLOPs / matmul rate, bytes / copy rate) / our time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+D_C, D_R = 512, 64
+D = D_C + D_R
+NAIVE_MAX_BYTES = 40 << 30  # skip naive torch where its fp32 score matrix would not fit comfortably
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--heads", type=int, nargs="+", default=[64, 8])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 9, 17, 33, 65], help="tree sizes t")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 32768], help="cache lengths s")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16])
+    parser.add_argument("--page-size", type=int, default=0, help="0: contiguous cache; else paged")
+    parser.add_argument("--no-naive", action="store_true", help="skip the naive torch baseline")
+    parser.add_argument("--sweep", action="store_true", help="also time launch-config / split variants")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per point, ms")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/attention"), help="output directory")
+
+
+def _tree_visibility(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
+    """Random trees [b, t, t] bool (node i's parent is uniform over 0..i-1)."""
+    vis = torch.eye(t, dtype=torch.bool).repeat(b, 1, 1)
+    for i in range(1, t):
+        parent = torch.randint(0, i, (b,), generator=gen)
+        vis[:, i] |= vis[torch.arange(b), parent]
+    return vis
+
+
+def make_problem(b: int, t: int, h: int, s: int, page: int, device: torch.device, seed: int = 0) -> dict:
+    """Random bf16 problem with every request at length s (prefix s - t plus the tree)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, t, h, D, generator=gen).to(device, torch.bfloat16)
+    kv = torch.randn(b, s, D, device=device, dtype=torch.bfloat16)
+    problem = {"q": q, "kv": kv, "lengths": torch.full((b,), s, device=device, dtype=torch.int32)}
+    problem["vis"] = _tree_visibility(b, t, gen).to(device)
+    problem["block_table"] = None
+    if page:
+        pages = -(-s // page)
+        order = torch.randperm(b * pages, generator=gen).to(device)
+        paged = torch.empty(b * pages, page, D, device=device, dtype=torch.bfloat16)
+        padded = torch.nn.functional.pad(kv, (0, 0, 0, pages * page - s)).view(b * pages, page, D)
+        paged[order] = padded
+        problem["kv"], problem["block_table"] = paged, order.view(b, pages).int()
+    return problem
+
+
+def naive_attention(q, kv, vis, scale: float) -> torch.Tensor:
+    """Absorbed attention the plain way: bf16 matmul, fp32 masked softmax, bf16 matmul. Uniform lengths."""
+    b, t, h, d = q.shape
+    scores = torch.bmm(q.view(b, t * h, d), kv.transpose(1, 2)).float() * scale  # [b, t*h, s]
+    tree_mask = vis.repeat_interleave(h, dim=1)  # [b, t*h, t]
+    scores[..., -t:].masked_fill_(~tree_mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.bmm(probs, kv[..., :D_C]).view(b, t, h, D_C)
+
+
+def measure_roofline(device: torch.device) -> dict:
+    """Copy bandwidth (bytes read + written per second) and dense bf16 matmul rate, measured now."""
+    from triton.testing import do_bench
+
+    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    w = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: a @ w, rep=200, return_mode="median")
+    return {"copy_GBps": 2 * src.numel() * 2 / copy_ms / 1e6, "matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def work(b: int, t: int, h: int, s: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one layer's attention for the batch."""
+    return 2.0 * t * h * (D + D_C) * s * b, float(D * 2 * s * b)
+
+
+def time_point(b, t, h, s, args, roof, device) -> dict:
+    from triton.testing import do_bench
+
+    from kdtree_engine.kernels import mla_attention as kernels
+
+    p = make_problem(b, t, h, s, args.page_size, device)
+    scale = 192**-0.5
+
+    def ours(config=None, num_splits=None):
+        return kernels.tree_mla_attention(
+            p["q"],
+            p["kv"],
+            p["lengths"],
+            p["vis"],
+            scale,
+            D_C,
+            p["block_table"],
+            max_seqlen=s,
+            config=config,
+            num_splits=num_splits,
+        )
+
+    flops, nbytes = work(b, t, h, s)
+    row = {"h": h, "t": t, "s": s, "b": b, "us": 1e3 * do_bench(ours, rep=args.rep, return_mode="median")}
+    row.update(tflops=flops / row["us"] / 1e6, gbps=nbytes / row["us"] / 1e3)
+    floor_us = max(flops / roof["matmul_TFLOPs"] / 1e6, nbytes / roof["copy_GBps"] / 1e3)
+    row["roof_pct"] = 100 * floor_us / row["us"]
+    kv_dense = p["kv"] if p["block_table"] is None else None
+    if not args.no_naive and kv_dense is not None and b * t * h * s * 10 < NAIVE_MAX_BYTES:
+        out, _ = ours()
+        want = naive_attention(p["q"], kv_dense, p["vis"], scale)
+        row["max_err_vs_naive"] = float((out.float() - want.float()).abs().max())
+        naive_us = 1e3 * do_bench(
+            lambda: naive_attention(p["q"], kv_dense, p["vis"], scale), rep=args.rep, return_mode="median"
+        )
+        row.update(naive_us=naive_us, naive_tflops=flops / naive_us / 1e6, naive_gbps=nbytes / naive_us / 1e3)
+        row["speedup"] = naive_us / row["us"]
+    if args.sweep:
+        row["variants"] = sweep_variants(ours, row["us"], args.rep)
+    p.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+CANDIDATES = [  # (block_m, block_n, num_warps, num_stages, skew)
+    (64, 64, 8, 2, False),
+    (64, 32, 8, 3, False),
+    (64, 32, 8, 2, True),
+    (64, 32, 8, 3, True),
+    (16, 32, 4, 3, False),
+    (16, 64, 4, 3, False),
+    (32, 32, 4, 3, False),
+]
+
+
+def sweep_variants(ours, default_us: float, rep: int) -> list[dict]:
+    """Time each candidate config at its heuristic split count and at a few fixed split counts."""
+    from triton.testing import do_bench
+
+    from kdtree_engine.kernels import mla_attention as kernels
+
+    found = []
+    for cand, splits in itertools.product(CANDIDATES, [None, 1, 4, 16]):
+        cfg = kernels.Config(*cand)
+        try:
+            us = 1e3 * do_bench(
+                lambda cfg=cfg, splits=splits: ours(cfg, splits), rep=max(20, rep // 4), return_mode="median"
+            )
+        except Exception as exc:  # e.g. out of shared memory for this shape: record and move on
+            found.append({"config": list(cand), "splits": splits, "error": str(exc)[:120]})
+            continue
+        found.append({"config": list(cand), "splits": splits, "us": round(us, 2)})
+    ranked = sorted((v for v in found if "us" in v), key=lambda v: v["us"])
+    print(f"    default {default_us:.1f} us; best: {ranked[:4]}", flush=True)
+    return found
+
+
+def markdown(rows: list[dict], roof: dict, header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| h | t | s | b | us | TFLOP/s | GB/s | roof % | naive us | naive TFLOP/s | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        naive = (
+            f"{r['naive_us']:.1f} | {r['naive_tflops']:.0f} | {r['speedup']:.2f}x"
+            if "naive_us" in r
+            else "- | - | -"
+        )
+        lines.append(
+            f"| {r['h']} | {r['t']} | {r['s']} | {r['b']} | {r['us']:.1f} | {r['tflops']:.0f} | "
+            f"{r['gbps']:.0f} | {r['roof_pct']:.0f} | {naive} |"
+        )
+    lines.append("")
+    lines.append(
+        f"Roofline measured in this run: copy {roof['copy_GBps']:.0f} GB/s, "
+        f"bf16 matmul {roof['matmul_TFLOPs']:.0f} TFLOP/s."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = sorted({r["h"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(heads), figsize=(6 * len(heads), 4.5), squeeze=False)
+    for ax, h in zip(axes[0], heads):
+        metric, unit = ("tflops", "TFLOP/s") if h >= 32 else ("gbps", "GB/s")
+        for (s, b), color in zip(
+            sorted({(r["s"], r["b"]) for r in rows if r["h"] == h}), itertools.cycle("bgrcmyk")
+        ):
+            pts = sorted((r for r in rows if (r["h"], r["s"], r["b"]) == (h, s, b)), key=lambda r: r["t"])
+            ax.plot(
+                [r["t"] for r in pts], [r[metric] for r in pts], "-o", color=color, label=f"ours s={s} b={b}"
+            )
+            naive = [r for r in pts if "naive_us" in r]
+            ax.plot([r["t"] for r in naive], [r["naive_" + metric] for r in naive], "--x", color=color,
+                    alpha=0.6, label=f"naive s={s} b={b}")  # fmt: skip
+        ax.set(xlabel="tree size t", ylabel=unit, title=f"h={h}")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench attention: needs a CUDA GPU")
+        return 2
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    roof = measure_roofline(device)
+    header = (
+        f"Tree-verify MLA attention, {name}, {stamp}, torch {torch.__version__}, bf16, d=512+64, "
+        f"{'paged ' + str(args.page_size) if args.page_size else 'contiguous'} cache"
+    )
+    print(header, json.dumps(roof), flush=True)
+    rows = []
+    for h, t, s, b in itertools.product(args.heads, args.tokens, args.seqlens, args.batch):
+        if s < t:
+            continue
+        rows.append(time_point(b, t, h, s, args, roof, device))
+        r = rows[-1]
+        print(
+            f"h={h} t={t} s={s} b={b}: {r['us']:.1f} us {r['tflops']:.0f} TFLOP/s {r['gbps']:.0f} GB/s "
+            f"roof {r['roof_pct']:.0f}% speedup {r.get('speedup', float('nan')):.2f}x",
+            flush=True,
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "attention.json").write_text(
+        json.dumps({"header": header, "roof": roof, "rows": rows}, indent=1)
+    )
+    table = markdown(rows, roof, header)
+    (args.out / "attention.md").write_text(table)
+    plot(rows, args.out / "attention.png", header)
+    print(table)
+    return 0
