@@ -1,1 +1,1 @@
-"""Triton (or CUDA) implementations, one file per op, named and shaped like its ref twin."""
+"""Triton implementations of the ops in ref/, one file per op; `kernels.tree` is the tree-op facade."""

@@ -1,0 +1,211 @@
+"""Vocab-wide top-k and log-softmax normalizer on the GPU (twin of ref.tree.logits_to_topk).
+
+Two launches, the logits read once in full:
+1. grid (rows, chunks): per chunk the max and the sum of exp (for logsumexp) and the max of every
+   group of G consecutive logits.
+2. grid (rows,): the row's logsumexp from the chunk partials; T = the k-th largest group max. Each of
+   the k best groups holds a logit >= T, so the k-th largest logit is >= T: every top-k logit is
+   >= T and sits in a group whose max is >= T (the candidate groups, usually about k of them).
+   Fast path: the candidate groups fit in MAXG groups; their logits are loaded again (a few KB per
+   row), packed as int64 keys `ordered(value) << 32 | (2^32 - 1 - id)`, which are distinct and order
+   by value, then by smaller id, and sorted in registers. Slow path (ties spread over more groups than
+   MAXG, e.g. constant logits): the k-th key is found by bisection over the candidate groups (value
+   bits, then id), then the k winners are collected and sorted.
+Output: (top_logprobs [B, L, k] float32 = logit - logsumexp, top_ids [B, L, k] int64), ids and their
+order exactly those of ref.tree.topk_stable; the logsumexp is a float32 sum in another order than
+torch's, so log-probs agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOW32 = tl.constexpr(0xFFFFFFFF)
+NONE = tl.constexpr(-(2**63))  # below every packed key
+
+
+@triton.jit
+def _ordered(x):
+    """float32 -> int64 key with the same order; -0.0 is folded onto +0.0 (they tie as floats)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+
+@triton.jit
+def _partials_kernel(x_ptr, gmax_ptr, part_ptr, V, NG, NCH, CH: tl.constexpr, G: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CH + tl.arange(0, CH)
+    x = tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    groups = c * (CH // G) + tl.arange(0, CH // G)
+    gmax = tl.max(tl.reshape(x, [CH // G, G]), axis=1)
+    tl.store(gmax_ptr + row * NG + groups, gmax, mask=groups < NG)
+    m = tl.max(x, axis=0)
+    s = tl.sum(tl.exp(x - m), axis=0)
+    tl.store(part_ptr + (row * NCH + c) * 2, m)
+    tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
+
+
+@triton.jit
+def _kth_largest(keys, ok, k, LO: tl.constexpr, HI: tl.constexpr, STEPS: tl.constexpr):
+    """Largest t in [LO, HI] with #(ok & keys >= t) >= k (LO when none)."""
+    lo = tl.full([], LO, tl.int64)
+    hi = tl.full([], HI, tl.int64)
+    for _ in range(STEPS):
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((ok & (keys >= mid)).to(tl.int32), axis=0) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _group_keys(x_ptr, glist_ptr, row, V, ncg, t0, TG: tl.constexpr, G: tl.constexpr):
+    """Keys and ids [TG * G] of candidate groups t0 .. t0 + TG (listed in glist) of one row."""
+    j = t0 + tl.arange(0, TG)
+    grp = tl.load(glist_ptr + j, mask=j < ncg, other=0).to(tl.int64)
+    idx = grp[:, None] * G + tl.arange(0, G)[None, :]
+    ok = (j < ncg)[:, None] & (idx < V)
+    x = tl.load(x_ptr + row * V + idx, mask=ok, other=0.0).to(tl.float32)
+    return tl.reshape(_ordered(x), [TG * G]), tl.reshape(idx, [TG * G]), tl.reshape(ok, [TG * G])
+
+
+@triton.jit
+def _count(x_ptr, glist_ptr, row, V, ncg, key_t, id_t, TG: tl.constexpr, G: tl.constexpr, NGP: tl.constexpr):
+    """#(key > key_t) + #(key == key_t & id <= id_t) over the candidate groups."""
+    total = tl.zeros([], tl.int32)
+    for t0 in range(0, NGP, TG):  # constant trip count; tiles past the list are skipped
+        if t0 < ncg:
+            key, idx, ok = _group_keys(x_ptr, glist_ptr, row, V, ncg, t0, TG, G)
+            hit = ok & ((key > key_t) | ((key == key_t) & (idx <= id_t)))
+            total += tl.sum(hit.to(tl.int32), axis=0)
+    return total
+
+
+@triton.jit
+def _select_kernel(
+    x_ptr,  # [R, V] logits
+    gmax_ptr,  # [R, NG] float32
+    part_ptr,  # [R, NCH, 2] float32
+    glist_ptr,  # [R, NGP] int32 scratch
+    keys_ptr,  # [R, KP] int64 scratch
+    lp_out,  # [R, k] float32
+    ids_out,  # [R, k] int64
+    V,
+    NG,
+    NCH,
+    k,
+    G: tl.constexpr,
+    NGP: tl.constexpr,
+    NCHP: tl.constexpr,
+    MAXG: tl.constexpr,
+    KP: tl.constexpr,
+    TG: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    ch = tl.arange(0, NCHP)
+    pm = tl.load(part_ptr + (row * NCH + ch) * 2, mask=ch < NCH, other=float("-inf"))
+    ps = tl.load(part_ptr + (row * NCH + ch) * 2 + 1, mask=ch < NCH, other=0.0)
+    m = tl.max(pm, axis=0)
+    lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
+
+    g = tl.arange(0, NGP)
+    gkey = _ordered(tl.load(gmax_ptr + row * NG + g, mask=g < NG, other=0.0))
+    lo_key: tl.constexpr = -(1 << 31)
+    thr = _kth_largest(gkey, g < NG, k, lo_key, (1 << 31) - 1, 33)
+    thr = tl.where(k > NG, lo_key, thr)  # fewer groups than k: every logit is a candidate
+    cand = (g < NG) & (gkey >= thr)
+    ncg = tl.sum(cand.to(tl.int32), axis=0)
+    glist = glist_ptr + row * NGP
+    tl.store(glist + tl.cumsum(cand.to(tl.int32), axis=0) - 1, g, mask=cand)
+    tl.debug_barrier()
+
+    if ncg <= MAXG:
+        key, idx, ok = _group_keys(x_ptr, glist, row, V, ncg, 0, MAXG, G)
+        packed = tl.where(ok & (key >= thr), (key << 32) + (LOW32 - idx), NONE)
+        top = tl.sort(packed, descending=True)
+        rank = tl.arange(0, MAXG * G)
+        keep = rank < k
+    else:
+        # k-th key: its value key first, then (among ties on it) the id.
+        lo = tl.full([], lo_key, tl.int64)
+        hi = tl.full([], (1 << 31) - 1, tl.int64)
+        for _ in range(33):
+            mid = lo + (hi - lo + 1) // 2
+            enough = _count(x_ptr, glist, row, V, ncg, mid - 1, -1, TG, G, NGP) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        kth_key = lo
+        lo_id = tl.zeros([], tl.int64)
+        hi_id = lo_id + V - 1
+        for _ in range(33):
+            mid = lo_id + (hi_id - lo_id) // 2
+            enough = _count(x_ptr, glist, row, V, ncg, kth_key, mid, TG, G, NGP) >= k
+            hi_id = tl.where(enough, mid, hi_id)
+            lo_id = tl.where(enough, lo_id, mid + 1)
+        base = tl.zeros([], tl.int32)
+        for t0 in range(0, NGP, TG):
+            if t0 < ncg:
+                key, idx, ok = _group_keys(x_ptr, glist, row, V, ncg, t0, TG, G)
+                win = ok & ((key > kth_key) | ((key == kth_key) & (idx <= lo_id)))
+                pos = base + tl.cumsum(win.to(tl.int32), axis=0) - 1
+                tl.store(keys_ptr + row * KP + pos, (key << 32) + (LOW32 - idx), mask=win)
+                base += tl.sum(win.to(tl.int32), axis=0)
+        tl.debug_barrier()
+        slot = tl.arange(0, KP)
+        top = tl.sort(tl.load(keys_ptr + row * KP + slot, mask=slot < k, other=NONE), descending=True)
+        rank = slot
+        keep = rank < k
+    ids = LOW32 - (top & LOW32)
+    vals = tl.load(x_ptr + row * V + ids, mask=keep, other=0.0).to(tl.float32)
+    tl.store(ids_out + row * k + rank, ids, mask=keep)
+    tl.store(lp_out + row * k + rank, vals - lse, mask=keep)
+
+
+def logits_topk(
+    logits: torch.Tensor, k: int, *, group: int | None = None, max_groups: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, L, V] float (validated, V >= 1), 1 <= k <= V ->
+    (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
+
+    group (G) and max_groups (MAXG, the fast path's capacity) are tuning knobs; tests shrink them to
+    reach the slow path at small shapes. Under the Triton interpreter (CPU) the defaults are smaller,
+    as its register sort costs seconds per row at the GPU's sizes.
+    """
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    if group is None:
+        group = 8 if interpreting else 32
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        logits = logits.float()
+    logits = logits.contiguous()
+    b, depth, vocab = logits.shape
+    rows = b * depth
+    dev = logits.device
+    lp = torch.empty((b, depth, k), dtype=torch.float32, device=dev)
+    ids = torch.empty((b, depth, k), dtype=torch.int64, device=dev)
+    if rows == 0:
+        return lp, ids
+    chunk = max(group, min(4096, triton.next_power_of_2(vocab)))
+    n_groups, n_chunks = triton.cdiv(vocab, group), triton.cdiv(vocab, chunk)
+    gmax = torch.empty((rows, n_groups), dtype=torch.float32, device=dev)
+    part = torch.empty((rows, n_chunks, 2), dtype=torch.float32, device=dev)
+    _partials_kernel[(rows, n_chunks)](logits, gmax, part, vocab, n_groups, n_chunks, CH=chunk, G=group)
+    if max_groups is None:
+        cap = 512 if interpreting else 8192
+        max_groups = min(cap // group, max(16 if interpreting else 64, triton.next_power_of_2(2 * k)))
+    tg = min(32, triton.next_power_of_2(n_groups))
+    kp = triton.next_power_of_2(k)
+    ngp = triton.next_power_of_2(n_groups)
+    glist = torch.empty((rows, ngp), dtype=torch.int32, device=dev)
+    keys = torch.empty((rows, kp), dtype=torch.int64, device=dev)
+    _select_kernel[(rows,)](
+        logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k,
+        G=group, NGP=ngp, NCHP=triton.next_power_of_2(n_chunks), MAXG=max_groups, KP=kp, TG=tg,
+        num_warps=8,
+    )  # fmt: skip
+    return lp, ids
