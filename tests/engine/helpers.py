@@ -76,4 +76,4 @@ class OracleDrafter:
             for i in range(1, depth + 1):
                 pos = s + i
                 rows.append(self._row(seq[pos] if pos < len(seq) else None, pos))
-        return torch.stack(rows).view(len(self.sequences), depth, self.vocab)
+        return torch.stack(rows).view(len(self.sequences), depth, self.vocab).to(bonus.device)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kdtree_engine.engine.checks import METHODS
+from kdtree_engine.engine.checks import METHODS, check_prompts
 from kdtree_engine.engine.loop import GenerationOutput, generate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,6 +99,8 @@ def _load(args, prompts_text):
         target = d.demo_target(args.device, dtype)
         tok = _Tokenizer(None)
         prompts = [tok.encode(p) for p in prompts_text] if prompts_text else [list(d.DEMO_PROMPT)]
+        cfg = target.config
+        prompts = check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)  # before the oracle
         drafter = None
         if args.method != "autoregressive" or args.compare:
             drafter = d.demo_drafter(args.demo_drafter, target, prompts, args.max_new_tokens)

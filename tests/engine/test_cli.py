@@ -1,0 +1,50 @@
+"""`kdtree-engine generate` end to end on the demo models (no download)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kdtree_engine.cli import main
+
+
+def _run(capsys, *argv):
+    rc = main(["generate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_demo_compare_matches_autoregressive(capsys):
+    rc, out, _ = _run(capsys, "--demo", "--compare", "--max-new-tokens", "40")
+    assert rc == 0
+    assert "ddtree: target forwards" in out and "dflash: target forwards" in out
+    assert out.count("output identical: YES") == 2
+    streams = re.findall(r"^--- (\w+).*---\n([\d ]+)\n", out, flags=re.M)
+    assert [m for m, _ in streams] == ["ddtree", "dflash", "autoregressive"]
+    assert len({s.strip() for _, s in streams}) == 1 and len(streams[0][1].split()) == 40
+    forwards = dict(re.findall(r"\[(\w+)\] \d+ new tokens \(batch 1\) in (\d+) target forwards", out))
+    assert int(forwards["ddtree"]) < int(forwards["dflash"]) < int(forwards["autoregressive"]) == 40
+
+
+def test_batch_prompts_random_drafter_and_sampling(capsys):
+    args = ["--demo", "--demo-drafter", "random", "--prompt", "1 2 3", "--prompt", "9 8 7 6 5 4"]
+    rc, out, _ = _run(capsys, *args, "--method", "dflash", "--max-new-tokens", "8", "--compare")
+    assert rc == 0 and "output identical: YES" in out and re.search(r"^\[1\] (\d+ ){7}\d+$", out, flags=re.M)
+    sampling = ["--temperature", "0.9", "--top-k", "20"]
+    rc, out, _ = _run(capsys, *args, *sampling, "--max-new-tokens", "8", "--compare")
+    assert rc == 0 and "sampled" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--demo", "--prompt", "hello world"], "space-separated token ids"),
+        (["--demo", "--prompt", ""], "prompt 0 is empty"),
+        (["--demo", "--budget", "-2"], "budget"),
+        (["--drafter", "/nonexistent"], "--model"),
+    ],
+)
+def test_errors_exit_2(capsys, argv, message):
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and message in err
