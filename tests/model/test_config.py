@@ -161,6 +161,7 @@ def test_hf_dict_round_trip() -> None:
         (dict(topk_method="greedy"), "topk_method"),
         (dict(quantization_config={"quant_method": "fp8"}), "quantization_config"),
         (dict(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope type"),
+        (dict(moe_layer_freq=2), "moe_layer_freq"),
         (dict(n_group=3), "n_group"),
         (dict(topk_group=9), "topk_group"),
         (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),

@@ -169,6 +169,8 @@ def _check_supported(d: dict[str, Any]) -> None:
             raise ValueError(f"config: {key}={d[key]!r} is not supported (expected one of {allowed})")
     if d.get("quantization_config"):
         raise ValueError("config: quantization_config is not supported (dequantize the checkpoint first)")
+    if d.get("moe_layer_freq", 1) not in (1, None):
+        raise ValueError(f"config: moe_layer_freq={d['moe_layer_freq']!r} is not supported (expected 1)")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise ValueError(f"config: pretraining_tp={d['pretraining_tp']!r} is not supported (expected 1)")
 
