@@ -1,6 +1,12 @@
 """DraftTree types and the public tree ops."""
 
-from kdtree_engine.tree.ops import accept_greedy, build_tree, build_tree_from_logits, compile_tree
+from kdtree_engine.tree.ops import (
+    accept_greedy,
+    accept_sampled,
+    build_tree,
+    build_tree_from_logits,
+    compile_tree,
+)
 from kdtree_engine.tree.types import AcceptResult, DraftTree, VerifyInputs
 
 __all__ = [
@@ -8,6 +14,7 @@ __all__ = [
     "DraftTree",
     "VerifyInputs",
     "accept_greedy",
+    "accept_sampled",
     "build_tree",
     "build_tree_from_logits",
     "compile_tree",

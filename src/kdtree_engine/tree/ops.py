@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kdtree_engine.impl import resolve_impl
+from kdtree_engine.ref import sampling as ref_sampling
 from kdtree_engine.ref import tree as ref
 from kdtree_engine.tree import validate as v
 from kdtree_engine.tree.types import AcceptResult, DraftTree, VerifyInputs
@@ -77,9 +78,7 @@ def _check_per_request(x, name: str, tree: DraftTree, width: int | None = None) 
     return t.contiguous()
 
 
-def compile_tree(
-    tree: DraftTree, root_tokens, start_positions, *, impl: str | None = None
-) -> VerifyInputs:
+def compile_tree(tree: DraftTree, root_tokens, start_positions, *, impl: str | None = None) -> VerifyInputs:
     """root_tokens [B] int64 (the bonus token each tree hangs from), start_positions [B] int64 (the
     root's position) -> VerifyInputs with N = budget + 1 (see its docstring)."""
     _check_tree(tree)
@@ -100,3 +99,69 @@ def accept_greedy(tree: DraftTree, target_tokens, *, impl: str | None = None) ->
     if resolve_impl(impl, tree.device) == "triton":
         return _kernels().accept_greedy(tree, target)
     return ref.accept_greedy(tree, target)
+
+
+def _check_sampling_args(temperature, top_p, top_k) -> tuple[float, float, int]:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature: expected a float, got {type(temperature).__name__}")
+    if not (temperature > 0 and torch.isfinite(torch.tensor(float(temperature)))):
+        raise ValueError(f"temperature: expected a finite value > 0, got {temperature}")
+    if ref_sampling.float32_temperature(temperature) == 0:
+        raise ValueError(f"temperature: {temperature} rounds to 0 in float32")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p: expected a float in (0, 1], got {top_p!r}")
+    return float(temperature), float(top_p), v.check_int(top_k, "top_k")
+
+
+def _check_noise(noise, generator, logits: torch.Tensor):
+    if noise is None:
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+        if generator is not None and generator.device.type != logits.device.type:
+            raise ValueError(f"generator: on {generator.device}, target_logits on {logits.device}")
+        return ref_sampling.gumbel_noise(logits.shape, generator=generator, device=logits.device)
+    if generator is not None:
+        raise ValueError("noise: give either noise or generator, not both")
+    noise = v.as_tensor(noise, "noise")
+    if tuple(noise.shape) != tuple(logits.shape):
+        raise ValueError(f"noise: expected shape {tuple(logits.shape)}, got {tuple(noise.shape)}")
+    v.check_same_device({"target_logits": logits, "noise": noise})
+    return v.check_float(noise, "noise").contiguous()
+
+
+def accept_sampled(
+    tree: DraftTree,
+    target_logits,
+    *,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    generator: torch.Generator | None = None,
+    noise=None,
+    impl: str | None = None,
+) -> tuple[AcceptResult, torch.Tensor]:
+    """Sampled verification: draw the target's token at every node, then walk as accept_greedy.
+
+    target_logits [B, N, V] float (N = budget + 1); temperature > 0; top_p in (0, 1]; top_k >= 0
+    (0: off). Randomness: `noise` [B, N, V] float32 standard Gumbel noise, or drawn from `generator`
+    (else torch's default generator) on the logits' device. Given the same noise the reference and the
+    kernel return identical results (see ref/sampling.py for the exact rule).
+    Returns (AcceptResult, sampled [B, N] int64 target tokens).
+    """
+    _check_tree(tree)
+    temperature, top_p, top_k = _check_sampling_args(temperature, top_p, top_k)
+    logits = v.as_tensor(target_logits, "target_logits")
+    v.check_rank(logits, "target_logits", 3, "[B, N, V]")
+    shape = (tree.batch_size, tree.budget + 1)
+    if tuple(logits.shape[:2]) != shape or logits.shape[-1] == 0:
+        raise ValueError(f"target_logits: expected shape {shape + ('V>=1',)}, got {tuple(logits.shape)}")
+    v.check_float(logits, "target_logits")
+    v.check_same_device({"tree": tree.tokens, "target_logits": logits})
+    noise = _check_noise(noise, generator, logits)
+    cutoffs = ref_sampling.sampling_cutoffs(logits, temperature, top_k, top_p)
+    t32 = ref_sampling.float32_temperature(temperature)
+    if resolve_impl(impl, tree.device) == "triton":
+        kernels = _kernels()
+        sampled = kernels.sample_tokens(logits.contiguous(), noise, cutoffs, t32)
+        return kernels.accept_greedy(tree, sampled), sampled
+    return ref_sampling.accept_sampled(tree, logits, noise, cutoffs, t32)
