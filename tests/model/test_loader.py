@@ -118,3 +118,70 @@ def test_tied_embeddings_checkpoint(tmp_path) -> None:
     model = load_model(tmp_path)
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
     assert _logits_close(model, hf) < 1e-5
+
+
+def _quantize_blocks(w: torch.Tensor, bo: int, bi: int):
+    """Block FP8 as in the published DeepSeek-V3 checkpoints: (e4m3 weight, scale_inv, dequantized)."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-w.shape[0] // bo), -(-w.shape[1] // bi))
+    expect = torch.empty(w.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            rows, cols = slice(i * bo, (i + 1) * bo), slice(j * bi, (j + 1) * bi)
+            scale[i, j] = w[rows, cols].abs().max() / 448
+            q[rows, cols] = (w[rows, cols] / scale[i, j]).to(torch.float8_e4m3fn)
+            expect[rows, cols] = q[rows, cols].float() * scale[i, j]
+    return q, scale, expect
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny block-FP8 checkpoint (16 x 24 blocks, partial edge blocks) and the expected weights."""
+    from kdtree_engine.model import random_model, tiny_config
+
+    cfg = tiny_config(fp8_block_size=(16, 24))
+    tensors, expected = {}, {}
+    for key, w in random_model(cfg, seed=4).state_dict().items():
+        name = key if key.startswith("lm_head") else f"model.{key}"
+        quantize = w.dim() == 2 and "proj" in key and w.shape[0] * w.shape[1] > 1
+        if quantize:
+            tensors[name], tensors[f"{name}_scale_inv"], expected[key] = _quantize_blocks(w, 16, 24)
+        else:
+            tensors[name], expected[key] = w, w
+    path = tmp_path_factory.mktemp("fp8")
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    save_file(tensors, path / "model.safetensors")
+    return path, expected
+
+
+def test_block_fp8_checkpoint_is_dequantized(fp8_checkpoint) -> None:
+    path, expected = fp8_checkpoint
+    assert json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"] == [
+        16,
+        24,
+    ]
+    model = load_model(path)
+    state = model.state_dict()
+    assert state["layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float32
+    for key, want in expected.items():
+        assert torch.equal(state[key], want), key
+    model(torch.tensor([[1, 2, 3]]), model.new_cache(1, 3))
+
+
+def test_block_fp8_errors(fp8_checkpoint, tmp_path) -> None:
+    path, _ = fp8_checkpoint
+    scale = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    with pytest.raises(ValueError, match="not paired.*o_proj"):
+        load_model(_edit_single(path, tmp_path / "a", lambda t: t.pop(scale)))
+    with pytest.raises(ValueError, match=r"o_proj.weight_scale_inv has shape \(1, 1\)"):
+        load_model(_edit_single(path, tmp_path / "b", lambda t: t.update({scale: torch.ones(1, 1)})))
+    shutil.copytree(path, tmp_path / "c")
+    cfg = json.loads((path / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps({**cfg, "quantization_config": None}))
+    with pytest.raises(ValueError, match="no quantization_config"):
+        load_model(tmp_path / "c")
+    (tmp_path / "c" / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": {"quant_method": "compressed-tensors"}})
+    )
+    with pytest.raises(ValueError, match="quantization_config"):
+        load_model(tmp_path / "c")

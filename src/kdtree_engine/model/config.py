@@ -63,6 +63,7 @@ class ModelConfig:
     model_type: str = "deepseek_v3"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    fp8_block_size: tuple[int, int] | None = None  # block-FP8 checkpoint (weight_scale_inv), loader only
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -126,6 +127,14 @@ class ModelConfig:
         d["rope_interleave"] = self.rope_interleave
         d["rope_parameters"] = self._rope_parameters()
         d["hidden_act"] = "silu"
+        del d["fp8_block_size"]
+        if self.fp8_block_size is not None:
+            d["quantization_config"] = {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": list(self.fp8_block_size),
+            }
         return d
 
     def _rope_parameters(self) -> dict[str, Any]:
@@ -167,12 +176,24 @@ def _check_supported(d: dict[str, Any]) -> None:
     for key, allowed in checks.items():
         if d.get(key) is not None and d[key] not in allowed:
             raise ValueError(f"config: {key}={d[key]!r} is not supported (expected one of {allowed})")
-    if d.get("quantization_config"):
-        raise ValueError("config: quantization_config is not supported (dequantize the checkpoint first)")
+    _fp8_block_size(d)
     if d.get("moe_layer_freq", 1) not in (1, None):
         raise ValueError(f"config: moe_layer_freq={d['moe_layer_freq']!r} is not supported (expected 1)")
     if d.get("pretraining_tp", 1) not in (1, None):
         raise ValueError(f"config: pretraining_tp={d['pretraining_tp']!r} is not supported (expected 1)")
+
+
+def _fp8_block_size(d: dict[str, Any]) -> tuple[int, int] | None:
+    """DeepSeek's block-FP8 format (quant_method fp8, e4m3, weight_block_size); anything else refused."""
+    q = d.get("quantization_config")
+    if not q:
+        return None
+    block = q.get("weight_block_size")
+    if q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
+        raise ValueError(
+            f"config: quantization_config {q!r} is not supported (only block fp8 e4m3 with weight_block_size)"
+        )
+    return int(block[0]), int(block[1])
 
 
 def _rope_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +249,7 @@ def _fields_from_hf(d: dict[str, Any]) -> dict[str, Any]:
     f["model_type"] = d.get("model_type", "deepseek_v3")
     f["bos_token_id"] = d.get("bos_token_id")
     f["eos_token_id"] = d.get("eos_token_id")
+    f["fp8_block_size"] = _fp8_block_size(d)
     f.update(_rope_fields(d))
     return f
 

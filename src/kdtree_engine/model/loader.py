@@ -35,11 +35,21 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def skipped(config: ModelConfig, name: str) -> bool:
+    """Tensors we do not load: layers >= num_hidden_layers (the MTP module) and rotary buffers."""
+    key = name.removeprefix("model.")
+    layer = _LAYER.match(key)
+    return bool(layer and int(layer.group(1)) >= config.num_hidden_layers) or key.endswith(
+        "rotary_emb.inv_freq"
+    )
+
+
+def _iter_tensors(config: ModelConfig, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if not skipped(config, name):
+                    yield name, f.get_tensor(name)
 
 
 def _split_fused(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -54,16 +64,56 @@ def _split_fused(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor
             yield f"{prefix}.{e}.up_proj.weight", up
 
 
+FP8 = (torch.float8_e4m3fn,)
+SCALE = "_scale_inv"
+
+
+def dequantize_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str
+) -> torch.Tensor:
+    """Block FP8: w [out, in] float8_e4m3fn, scale_inv [ceil(out/bo), ceil(in/bi)] -> float32 w * scale."""
+    out, inn = w.shape
+    bo, bi = block
+    if scale_inv.shape != (-(-out // bo), -(-inn // bi)):
+        raise ValueError(
+            f"checkpoint: {name}{SCALE} has shape {tuple(scale_inv.shape)}, expected "
+            f"{(-(-out // bo), -(-inn // bi))} for a {tuple(w.shape)} weight in {bo}x{bi} blocks"
+        )
+    scale = scale_inv.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inn]
+    return w.float() * scale
+
+
+def _dequantized(config: ModelConfig, named: Iterator[tuple[str, torch.Tensor]]):
+    """Pairs every float8 `X.weight` with its `X.weight_scale_inv` (any order, any shard) and yields
+    the dequantized float32 weight; other tensors pass through."""
+    block = config.fp8_block_size
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        is_scale = name.endswith(SCALE)
+        if not is_scale and t.dtype not in FP8:
+            yield name, t
+            continue
+        if block is None:
+            raise ValueError(f"checkpoint: {name} is block-FP8 but config.json has no quantization_config")
+        key = name.removesuffix(SCALE)
+        (scales if is_scale else weights)[key] = t
+        if key in weights and key in scales:
+            yield key, dequantize_fp8(weights.pop(key), scales.pop(key), block, key)
+    unpaired = sorted(set(weights) | set(scales))
+    if unpaired:
+        raise ValueError(f"checkpoint: FP8 weights and {SCALE} not paired for {unpaired[:8]}")
+
+
 def canonical_tensors(
     config: ModelConfig, named: Iterator[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF checkpoint names -> our parameter names ("model." dropped, fused experts split); tensors of
-    layers >= num_hidden_layers (the MTP layer) and rotary buffers are skipped."""
-    for name, t in named:
+    layers >= num_hidden_layers (the MTP layer) and rotary buffers are skipped; block-FP8 weights are
+    dequantized with their weight_scale_inv."""
+    kept = ((n, t) for n, t in named if not skipped(config, n))
+    for name, t in _dequantized(config, kept):
         key = name.removeprefix("model.")
-        layer = _LAYER.match(key)
-        if (layer and int(layer.group(1)) >= config.num_hidden_layers) or key.endswith("rotary_emb.inv_freq"):
-            continue
         if _FUSED.match(key):
             yield from _split_fused(key, t)
         else:
@@ -125,10 +175,11 @@ def load_model(
     """Load a HF checkpoint dir: config.json and model.safetensors or a sharded model.safetensors.index.json.
 
     Raises FileNotFoundError for a missing file, ValueError for an unsupported config value, a missing or
-    unexpected tensor, or a shape mismatch. Weights are cast to `dtype` (router kept float32).
+    unexpected tensor, or a shape mismatch. Weights are cast to `dtype` (router kept float32); block-FP8
+    checkpoints (DeepSeek-V3 / Kimi-K2 as published: e4m3 + weight_scale_inv) are dequantized.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"path: no config.json in {path}")
     config = ModelConfig.from_json(path / "config.json")
-    return model_from_hf_tensors(config, _iter_tensors(checkpoint_files(path)), dtype, device)
+    return model_from_hf_tensors(config, _iter_tensors(config, checkpoint_files(path)), dtype, device)
