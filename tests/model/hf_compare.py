@@ -27,17 +27,18 @@ YARN = dict(
 )
 # Each config covers a different corner; together: q_lora_rank null and set, n_group > 1 with
 # topk_group < n_group, yarn on and off, first_k_dense_replace 0 / 1 / 2, shared experts 1 and 2,
-# interleaved and half-split rope, norm_topk_prob on and off, tied and untied lm_head.
+# interleaved and half-split rope, attention biases, norm_topk_prob on and off, tied and untied lm_head.
 CONFIGS: dict[str, dict] = {
     "base": dict(),
     "qnull_yarn_dense0": dict(q_lora_rank=None, first_k_dense_replace=0, **YARN),
-    "dense2_shared2_g4k2": dict(
+    "dense2_shared2_g4k2_bias": dict(
         first_k_dense_replace=2,
         n_shared_experts=2,
         n_group=4,
         topk_group=2,
         num_experts_per_tok=3,
         rope_interleave=False,
+        attention_bias=True,
     ),
     "kimi_like_tied": dict(
         model_type="kimi_k2",

@@ -90,7 +90,7 @@ def test_capture_layers_are_decoder_layer_outputs() -> None:
 
 @torch.no_grad()
 def test_generate_equals_full_recompute_greedy() -> None:
-    hf, ours = hf_pair("dense2_shared2_g4k2", torch.float64)
+    hf, ours = hf_pair("dense2_shared2_g4k2_bias", torch.float64)
     prompts = [[3, 9, 27, 81, 115, 90], [7], [12, 40, 2]]
     got = generate(ours, prompts, 6)
     for p, g in zip(prompts, got):
