@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from kdtree_engine.cli import main
+from kdtree_engine.model import generate as model_generate
 
 
 def _run(capsys, *argv):
@@ -48,3 +50,23 @@ def test_batch_prompts_random_drafter_and_sampling(capsys):
 def test_errors_exit_2(capsys, argv, message):
     rc, _, err = _run(capsys, *argv)
     assert rc == 2 and message in err
+
+
+def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
+    """--model / --drafter load HF-format checkpoints; a tokenizer.json in the model dir is used."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from kdtree_engine.drafter import random_drafter, save_drafter, tiny_drafter_config
+    from tests.model.hf_compare import hf_pair
+
+    hf, ours = hf_pair("base", torch.float32)
+    hf.save_pretrained(tmp_path / "target")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "target" / "tokenizer.json"))
+    save_drafter(random_drafter(tiny_drafter_config(ours.config)), tmp_path / "drafter")
+    argv = ["--model", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--device", "cpu"]
+    rc, out, _ = _run(capsys, *argv, "--prompt", "w5 w17 w3 w99", "--max-new-tokens", "10", "--compare")
+    assert rc == 0 and out.count("output identical: YES") == 2
+    expected = " ".join(f"w{t}" for t in model_generate(ours, [[5, 17, 3, 99]], 10)[0])
+    assert f"--- ddtree (budget 32) ---\n{expected}\n" in out

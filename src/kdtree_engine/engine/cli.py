@@ -120,9 +120,16 @@ def _load(args, prompts_text):
 
 
 def _run(args, target, drafter, prompts, method, tok, stream: bool) -> GenerationOutput:
+    seen: list[int] = []
+    shown = [""]
+
     def on_tokens(b: int, toks: list[int]) -> None:
-        sys.stdout.write(tok.decode(toks) + ("" if tok.tok is not None else " "))
+        # Decode the whole output and print the new suffix: a piece decoded alone can lose its spacing.
+        seen.extend(toks)
+        text = tok.decode(seen)
+        sys.stdout.write(text[len(shown[0]) :] if text.startswith(shown[0]) else " " + text)
         sys.stdout.flush()
+        shown[0] = text
 
     print(f"--- {method}" + (f" (budget {args.budget})" if method == "ddtree" else "") + " ---")
     out = generate(
