@@ -98,11 +98,12 @@ class DeepseekV3ForCausalLM(nn.Module):
             positions = start[:, None] + torch.arange(t, device=dev)
         if visibility is None:
             visibility = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+        visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.kv[i], start, visibility.to(dev), impl)
+            x = layer(x, cos, sin, cache.kv[i], start, visibility, impl)
             captured[i] = x
         logits = self.lm_head(self.norm(x))
         cache.seqlens = start + (lengths.to(dev) if lengths is not None else t)
