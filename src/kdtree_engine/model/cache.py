@@ -38,12 +38,6 @@ class LatentKVCache:
     def clone(self) -> LatentKVCache:
         return LatentKVCache(self.kv.clone(), self.seqlens.clone())
 
-    def write(self, layer: int, rows: torch.Tensor, start: torch.Tensor) -> None:
-        """rows [b, t, d] go to slots start[b] .. start[b] + t - 1 of `layer`."""
-        b, t, _ = rows.shape
-        slots = start[:, None] + torch.arange(t, device=rows.device)  # [b, t]
-        self.kv[layer, torch.arange(b, device=rows.device)[:, None], slots] = rows.to(self.kv.dtype)
-
     def compact(self, start: torch.Tensor, keep: torch.Tensor, keep_len: torch.Tensor) -> None:
         """Keep only chosen rows after a verify forward, in every layer.
 
