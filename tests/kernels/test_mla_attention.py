@@ -131,11 +131,10 @@ def test_other_head_dims(device, d_c, d_r):
     check(device, 2, 5, 3, d_c, d_r, [7, 70], torch.float32, None, "random", seed=d_c + d_r)
 
 
-@pytest.mark.parametrize("skew", [False, True])
-def test_fixed_configs(device, skew):
-    cfg = kernels.Config(block_m=16, block_n=16, num_warps=4, num_stages=1, skew=skew)
+def test_fixed_configs(device):
+    cfg = kernels.Config(block_m=16, block_n=16, num_warps=4, num_stages=1)
     check(device, 2, 9, 2, 32, 8, [40, 17], torch.bfloat16, 16, "random", seed=5, config=cfg, num_splits=3)
-    cfg = kernels.Config(block_m=64, block_n=32, num_warps=8, num_stages=3, skew=skew)
+    cfg = kernels.Config(block_m=64, block_n=32, num_warps=8, num_stages=3)
     check(device, 3, 3, 8, 32, 8, [0, 33, 70], torch.float32, None, "chain", seed=6, config=cfg)
 
 
@@ -229,10 +228,8 @@ def test_gpu_long_prefill_and_float32(device, t, h, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("skew", [False, True])
 @pytest.mark.parametrize("splits", [1, 2, 7, 32])
-def test_gpu_split_counts(device, splits, skew):
-    cfg = kernels.Config(block_m=64, block_n=32, num_warps=8, num_stages=3, skew=skew)
+def test_gpu_split_counts(device, splits):
     check(
         device,
         3,
@@ -246,5 +243,4 @@ def test_gpu_split_counts(device, splits, skew):
         "random",
         seed=splits,
         num_splits=splits,
-        config=cfg,
     )

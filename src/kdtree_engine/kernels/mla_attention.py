@@ -66,17 +66,14 @@ class Config:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
-    skew: bool = False  # apply each tile's P @ V one iteration late (see the kernel)
 
 
 @triton.jit
-def _row_offsets(
-    b, pos, valid, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED: tl.constexpr, PAGE: tl.constexpr
-):
+def _row_offsets(b, pos, valid, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED: tl.constexpr):
     """Element offsets of cache rows `pos` [BLOCK_N] of request b (contiguous or paged cache)."""
     if PAGED:
-        page = tl.load(bt_ptr + b * stride_btb + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        return page * stride_kb + (pos % PAGE).to(tl.int64) * stride_ks
+        page = tl.load(bt_ptr + b * stride_btb + pos // page_size, mask=valid, other=0).to(tl.int64)
+        return page * stride_kb + (pos % page_size).to(tl.int64) * stride_ks
     else:
         return b.to(tl.int64) * stride_kb + pos.to(tl.int64) * stride_ks
 
@@ -149,20 +146,22 @@ def _update(acc, m_i, l_i, s, kv_c, DOT_PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
-@triton.jit
-def _skewed_update(acc, m_i, l_i, s, kv_c, p_prev, alpha_prev, v_prev, DOT_PREC: tl.constexpr):
-    """Online softmax step that applies the previous tile's P @ V and returns this tile's (P, alpha,
-    V) to be applied next time."""
-    acc = tl.dot(p_prev, v_prev, acc=acc * alpha_prev[:, None], input_precision=DOT_PREC)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
-    alpha = tl.math.exp2(m_i - m_safe)
-    p = tl.math.exp2(s - m_safe[:, None])  # [BM, BN]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    return acc, m_new, l_i, p.to(kv_c.dtype), alpha, kv_c
+# Scalars that vary per call are not specialized (Triton would otherwise compile again for 1 and for
+# multiples of 16); cache strides stay specialized for vectorized loads.
+_UNSPECIALIZED = [
+    "T",
+    "H",
+    "M",
+    "num_splits",
+    "stride_btb",
+    "stride_vb",
+    "stride_vi",
+    "stride_lb",
+    "stride_ls",
+]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_UNSPECIALIZED + ["stride_ob", "stride_os"])
 def _split_kv_kernel(
     q_ptr,
     kv_ptr,
@@ -176,6 +175,7 @@ def _split_kv_kernel(
     M,
     num_splits,
     qk_scale,
+    page_size,
     stride_qb,
     stride_kb,
     stride_ks,
@@ -193,9 +193,7 @@ def _split_kv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
-    PAGE: tl.constexpr,
     MASK_MODE: tl.constexpr,
-    SKEW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     pid_m, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -224,27 +222,16 @@ def _split_kv_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    # SKEW: P @ V of tile n runs in iteration n+1 from loop-carried P, alpha and V, so nothing derived
-    # from a tile's scores feeds a product in the same iteration; Triton then spreads the scores over
-    # both warpgroups instead of computing them twice (its layout for "chained" products).
-    p_prev = tl.zeros([BLOCK_M, BLOCK_N], q_c.dtype)
-    alpha_prev = tl.full([BLOCK_M], 1.0, tl.float32)
-    v_prev = tl.zeros([BLOCK_N, BLOCK_DC], q_c.dtype)
     for n in range(0, n_free):  # prefix tiles: no mask at all
         pos = lo + n * BLOCK_N + cols
-        offsets = _row_offsets(b, pos, pos < hi, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED, PAGE)
+        offsets = _row_offsets(b, pos, pos < hi, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
         s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, pos < hi, offs_dc, offs_dr, qk_scale, D_C, D_R,
                           BLOCK_DC, BLOCK_DR, False, DOT_PREC)  # fmt: skip
-        if SKEW:
-            acc, m_i, l_i, p_prev, alpha_prev, v_prev = _skewed_update(
-                acc, m_i, l_i, s, kv_c, p_prev, alpha_prev, v_prev, DOT_PREC
-            )
-        else:
-            acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+        acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
     for start in range(lo + n_free * BLOCK_N, hi, BLOCK_N):  # tiles touching the tree or the chunk end
         pos = start + cols
         in_range = pos < hi
-        offsets = _row_offsets(b, pos, in_range, bt_ptr, stride_btb, stride_kb, stride_ks, PAGED, PAGE)
+        offsets = _row_offsets(b, pos, in_range, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
         s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, in_range, offs_dc, offs_dr, qk_scale, D_C, D_R,
                           BLOCK_DC, BLOCK_DR, True, DOT_PREC)  # fmt: skip
         j = pos - prefix
@@ -253,14 +240,7 @@ def _split_kv_kernel(
         )
         visible = tree | (in_range & (j < 0))[None, :]
         s = tl.where(visible, s, float("-inf"))
-        if SKEW:
-            acc, m_i, l_i, p_prev, alpha_prev, v_prev = _skewed_update(
-                acc, m_i, l_i, s, kv_c, p_prev, alpha_prev, v_prev, DOT_PREC
-            )
-        else:
-            acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
-    if SKEW:  # the last tile's P @ V
-        acc = tl.dot(p_prev, v_prev, acc=acc * alpha_prev[:, None], input_precision=DOT_PREC)
+        acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -274,7 +254,7 @@ def _split_kv_kernel(
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + rows, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_splits", "stride_pb", "stride_ps", "stride_lb", "stride_ls"])
 def _merge_kernel(
     part_ptr,
     plse_ptr,
@@ -325,7 +305,7 @@ def pick_config(dtype: torch.dtype, rows: int, d_c: int) -> Config:
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:
-        return Config(block_m=16, block_n=64, num_warps=4, num_stages=2)
+        return Config(block_m=16, block_n=32, num_warps=4, num_stages=3)
     return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
 
 
@@ -397,12 +377,12 @@ def tree_mla_attention(
     bt = block_table if paged else cache_seqlens
     _split_kv_kernel[(m_blocks, num_splits, b)](
         q, kv_cache, cache_seqlens, vis, bt, part, plse,
-        t, h, rows, num_splits, softmax_scale * LOG2E,
+        t, h, rows, num_splits, softmax_scale * LOG2E, kv_cache.shape[1] if paged else 1,
         q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), svb, svi, sob, sos, slb, sls,
         D_C=d_v, D_R=d - d_v, BLOCK_DC=triton.next_power_of_2(d_v),
         BLOCK_DR=max(16, triton.next_power_of_2(max(d - d_v, 1))),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged, PAGE=kv_cache.shape[1] if paged else 1,
-        MASK_MODE=mode, SKEW=cfg.skew, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged,
+        MASK_MODE=mode, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
