@@ -88,6 +88,16 @@ def _count(x_ptr, glist_ptr, row, V, ncg, key_t, id_t, TG: tl.constexpr, G: tl.c
 
 
 @triton.jit
+def _emit(x_ptr, row, V, top, rank, k, lse, lp_out, ids_out):
+    """Writes the first k of the sorted packed keys `top` as (logit - lse, id)."""
+    keep = rank < k
+    ids = LOW32 - (top & LOW32)
+    vals = tl.load(x_ptr + row * V + ids, mask=keep, other=0.0).to(tl.float32)
+    tl.store(ids_out + row * k + rank, ids, mask=keep)
+    tl.store(lp_out + row * k + rank, vals - lse, mask=keep)
+
+
+@triton.jit
 def _select_kernel(
     x_ptr,  # [R, V] logits
     gmax_ptr,  # [R, NG] float32
@@ -129,8 +139,7 @@ def _select_kernel(
         key, idx, ok = _group_keys(x_ptr, glist, row, V, ncg, 0, MAXG, G)
         packed = tl.where(ok & (key >= thr), (key << 32) + (LOW32 - idx), NONE)
         top = tl.sort(packed, descending=True)
-        rank = tl.arange(0, MAXG * G)
-        keep = rank < k
+        _emit(x_ptr, row, V, top, tl.arange(0, MAXG * G), k, lse, lp_out, ids_out)
     else:
         # k-th key: its value key first, then (among ties on it) the id.
         lo = tl.full([], lo_key, tl.int64)
@@ -159,12 +168,7 @@ def _select_kernel(
         tl.debug_barrier()
         slot = tl.arange(0, KP)
         top = tl.sort(tl.load(keys_ptr + row * KP + slot, mask=slot < k, other=NONE), descending=True)
-        rank = slot
-        keep = rank < k
-    ids = LOW32 - (top & LOW32)
-    vals = tl.load(x_ptr + row * V + ids, mask=keep, other=0.0).to(tl.float32)
-    tl.store(ids_out + row * k + rank, ids, mask=keep)
-    tl.store(lp_out + row * k + rank, vals - lse, mask=keep)
+        _emit(x_ptr, row, V, top, slot, k, lse, lp_out, ids_out)
 
 
 def logits_topk(

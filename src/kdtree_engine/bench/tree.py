@@ -1,0 +1,200 @@
+"""`kdtree-engine bench tree`: our GPU tree path against the CPU builders serving engines run today.
+
+Per (batch B, budget) on the same random bf16 drafter logits [B, L, V]:
+- gpu topk->tree: kernels.build_tree from a precomputed top-k (the build alone);
+- gpu logits->tree: top-k + log-softmax normalizer over V + build (kernels.build_tree_from_logits);
+- gpu compile, gpu accept: compile_tree and accept_greedy on the built trees;
+- cpu ref: ref.tree.build_tree from the same top-k on the host (the official heap, batched in Python);
+- peers (`--peer official=/path/to/ddtree`): the official builder called once per request on that
+  request's [L, V] logits as its engine does (top-k on the logits' device, copy to host, heap on host).
+GPU times: a CUDA graph holding `--graph-calls` back-to-back calls, replayed after warm-up and timed
+with CUDA events; the median per call is reported. Host times: median of perf_counter over
+`--host-iters` runs, after one warm-up. Ratios come from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kdtree_engine.bench.plot import markdown_table, plot_series
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
+    parser.add_argument("--depth", type=int, default=15, help="draft block length L")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--vocab", type=int, default=163840, help="vocabulary size V (Kimi-K2: 163840)")
+    parser.add_argument("--peer", action="append", default=[], metavar="NAME=PATH",
+                        help="time a peer builder from a local checkout (supported: official)")  # fmt: skip
+    parser.add_argument("--out", default="out/bench_tree", help="directory for the table, plot and json")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--graph-calls", type=int, default=10, help="calls captured per CUDA graph")
+    parser.add_argument("--iters", type=int, default=50, help="timed graph replays")
+    parser.add_argument("--host-iters", type=int, default=5, help="timed runs of host builders")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _gpu_us(fn, calls: int, iters: int) -> float:
+    """Median microseconds per call of fn, from a CUDA graph of `calls` calls replayed `iters` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return statistics.median(times)
+
+
+def _host_us(fn, iters: int, device: torch.device) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _load_peers(specs: list[str]) -> dict:
+    """{name: (timed builder, pinned-tie builder)}. The timed one uses torch.topk as the peer does;
+    the pinned one orders top-k ties like ours, to check that the trees are identical."""
+    from kdtree_engine.bench.peers import load_official
+
+    peers = {}
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if name != "official" or not path:
+            raise ValueError(f"--peer: expected official=/path/to/ddtree, got {spec!r}")
+        pinned, timed = load_official(path), load_official(path)
+        module = next(
+            c.cell_contents for c in timed.__closure__ if hasattr(c.cell_contents, "build_ddtree_tree")
+        )
+        module.torch = torch  # the peer's own torch.topk: its real cost
+        peers[name] = (timed, pinned)
+    return peers
+
+
+def _same_tree(peer_out, tree, r: int) -> bool:
+    tokens, depths, parents, _ = peer_out
+    n = len(tokens)
+    return (
+        n == int(tree.num_nodes[r])
+        and tokens.tolist() == tree.tokens[r, :n].tolist()
+        and list(parents) == tree.parents[r, : n + 1].tolist()
+    )
+
+
+def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) -> dict:
+    from kdtree_engine.kernels import tree as kernels
+    from kdtree_engine.ref import tree as ref
+
+    dev = logits.device
+    on_gpu = dev.type == "cuda"
+    k = min(budget, logits.shape[-1])
+    lp, ids = kernels.logits_topk(logits, k)
+    tree = kernels.build_tree(lp, ids, budget)
+    roots = torch.zeros(b, dtype=torch.int64, device=dev)
+    starts = torch.full((b,), 100, dtype=torch.int64, device=dev)
+    # targets = the next node's token: long accepts on chain-like trees
+    target = kernels.compile_tree(tree, roots, starts).input_ids.roll(-1, dims=1).contiguous()
+
+    def timed(fn):
+        return _gpu_us(fn, args.graph_calls, args.iters) if on_gpu else _host_us(fn, args.host_iters, dev)
+
+    row = {"B": b, "budget": budget}
+    row["gpu topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
+    row["gpu logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
+    row["gpu compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
+    row["gpu accept"] = timed(lambda: kernels.accept_greedy(tree, target))
+    lp_host, ids_host = lp.cpu(), ids.cpu()
+    want = ref.build_tree(lp_host, ids_host, budget)
+    row["exact vs ref"] = all(
+        torch.equal(getattr(tree, f).cpu(), getattr(want, f)) for f in ("tokens", "parents")
+    )
+    row["cpu ref"] = _host_us(lambda: ref.build_tree(lp_host, ids_host, budget), args.host_iters, dev)
+    for name, (timed_peer, pinned_peer) in peers.items():
+        row[name] = _host_us(
+            lambda p=timed_peer: [p(logits[r], budget) for r in range(b)], args.host_iters, dev
+        )
+        row[f"{name} same tree"] = _same_tree(pinned_peer(logits[0], budget), tree, 0)
+    return row
+
+
+def _report(rows: list[dict], peers: list[str], header: str, out: Path) -> str:
+    cols = ["gpu topk->tree", "gpu logits->tree", "gpu compile", "gpu accept", "cpu ref", *peers]
+    ratios = [("cpu ref", "gpu topk->tree")] + [
+        (p, c) for p in peers for c in ("gpu topk->tree", "gpu logits->tree")
+    ]
+    headers = ["B", "budget", *[f"{c} (us)" for c in cols], *[f"{a} / {b_}" for a, b_ in ratios], "exact"]
+    table = []
+    for r in rows:
+        exact = r["exact vs ref"] and all(r[f"{p} same tree"] for p in peers)
+        table.append(
+            [r["B"], r["budget"], *[r[c] for c in cols], *[f"{r[a] / r[b_]:.3g}x" for a, b_ in ratios], exact]
+        )
+    text = f"{header}\n\n{markdown_table(headers, table)}\n"
+    labels = [f"B={r['B']} n={r['budget']}" for r in rows]
+    plotted = plot_series(
+        out / "tree_bench.png", header.splitlines()[0], labels, {c: [r[c] for r in rows] for c in cols}
+    )
+    return text + ("" if plotted else "\n(matplotlib missing: no plot written)\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run through the Triton interpreter
+    peers = _load_peers(args.peer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU (Triton interpreter), torch {torch.__version__}"
+    )
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (
+        f"DDTree tree ops, L={args.depth}, V={args.vocab}, bf16 logits: {name}, {stamp}\n\n"
+        f"command: kdtree-engine bench tree {' '.join(sys.argv[3:]) if len(sys.argv) > 3 else ''}".rstrip()
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for b in args.batch:
+        logits = (torch.randn(b, args.depth, args.vocab, generator=gen) * 2).bfloat16().to(device)
+        for budget in args.budgets:
+            rows.append(_bench_config(b, budget, logits, peers, args))
+            print(json.dumps(rows[-1]), flush=True)
+    text = _report(rows, list(peers), header, out)
+    (out / "tree_bench.md").write_text(text)
+    (out / "tree_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    print(text)
+    return 0
