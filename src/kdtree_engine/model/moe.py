@@ -70,12 +70,21 @@ class MoE(nn.Module):
         self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden], weights/ids [n, k] -> [n, hidden]: sum over k of weight * expert(x)."""
+        """x [n, hidden], weights/ids [n, k] -> [n, hidden]: sum over k of weight * expert(x), experts
+        added in id order (as transformers). Assignments are sorted by expert once, so the loop needs
+        a single host sync (the per-expert counts)."""
+        k = ids.shape[1]
+        order = ids.flatten().argsort(stable=True)  # [n * k] assignment slots grouped by expert
+        counts = torch.bincount(ids.flatten(), minlength=self.c.n_routed_experts).tolist()
         out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            token, slot = torch.where(ids == e)
-            y = self.experts[e](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        begin = 0
+        for e, count in enumerate(counts):
+            if count:
+                chosen = order[begin : begin + count]
+                token, slot = chosen // k, chosen % k
+                y = self.experts[e](x[token]) * weights[token, slot, None]
+                out.index_add_(0, token, y.to(out.dtype))
+            begin += count
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
