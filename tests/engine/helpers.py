@@ -7,6 +7,7 @@ from functools import lru_cache
 import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
+from kdtree_engine.engine.demo import RequestRows
 from kdtree_engine.model import generate as model_generate
 from kdtree_engine.model import random_model, tiny_config
 
@@ -53,8 +54,8 @@ class OracleDrafter:
         self.gen = torch.Generator().manual_seed(seed)
         self.calls = 0
 
-    def new_cache(self, batch_size: int, max_len: int):
-        return None
+    def new_cache(self, batch_size: int, max_len: int) -> RequestRows:
+        return RequestRows(list(range(batch_size)))
 
     def _row(self, true_token: int | None, pos: int) -> torch.Tensor:
         logits = torch.randn(self.vocab, generator=self.gen) - 20.0
@@ -71,9 +72,9 @@ class OracleDrafter:
         self.calls += 1
         depth = self.block_size - 1
         rows = []
-        for b, s in enumerate(start.tolist()):
-            seq = self.sequences[b]
+        for r, s in zip(cache.rows, start.tolist()):
+            seq = self.sequences[r]
             for i in range(1, depth + 1):
                 pos = s + i
                 rows.append(self._row(seq[pos] if pos < len(seq) else None, pos))
-        return torch.stack(rows).view(len(self.sequences), depth, self.vocab).to(bonus.device)
+        return torch.stack(rows).view(len(cache.rows), depth, self.vocab).to(bonus.device)

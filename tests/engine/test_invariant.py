@@ -38,12 +38,15 @@ def test_greedy_ddtree_equals_dflash_equals_autoregressive(seed, lengths):
 
 
 def test_batched_equals_one_by_one():
-    """Ragged acceptance: each request of a batch gets what it gets alone."""
+    """Ragged acceptance and finished requests leaving the batch: each request of a batch gets what it
+    gets alone (ragged acceptance makes requests finish at different rounds)."""
     target, drafter = tiny_target(3), tiny_drafter(3, seed=7)
     prompts = random_prompts(5, [2, 9, 4, 6], target.config.vocab_size)
     batched = _run(target, drafter, prompts, 20, "ddtree", 16)
-    alone = [_run(target, drafter, [p], 20, "ddtree", 16).tokens[0] for p in prompts]
-    assert batched.tokens == alone
+    alone = [_run(target, drafter, [p], 20, "ddtree", 16) for p in prompts]
+    assert batched.tokens == [a.tokens[0] for a in alone]
+    # The same trees were accepted (the drafter's cache rows follow their requests as rows are dropped).
+    assert sorted(batched.stats.accept_lengths) == sorted(n for a in alone for n in a.stats.accept_lengths)
 
 
 def test_budget_zero_is_autoregressive_with_a_drafter():

@@ -63,6 +63,10 @@ class DrafterCache:
     def max_len(self) -> int:
         return int(self.k.shape[2])
 
+    def select(self, index: torch.Tensor) -> DrafterCache:
+        """The cache of batch rows `index` [n] int64 only (the engine drops finished requests)."""
+        return DrafterCache(self.k.index_select(1, index), self.v.index_select(1, index), self.seqlens[index])
+
 
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:

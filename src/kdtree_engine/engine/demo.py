@@ -10,6 +10,8 @@ initialized DFlash drafter instead (it accepts almost nothing, but exercises the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
@@ -21,6 +23,17 @@ def demo_target(device="cpu", dtype=torch.float32):
     from kdtree_engine.model import random_model, tiny_config
 
     return random_model(tiny_config(), seed=0, dtype=dtype, device=device)
+
+
+@dataclass
+class RequestRows:
+    """A drafter "cache" that only tracks which request each batch row is (rows are dropped as
+    requests finish), for drafters that look requests up by index."""
+
+    rows: list[int]
+
+    def select(self, index: torch.Tensor) -> RequestRows:
+        return RequestRows([self.rows[i] for i in index.tolist()])
 
 
 class NoisyOracleDrafter:
@@ -43,8 +56,8 @@ class NoisyOracleDrafter:
         self.cum = torch.tensor(p_rank).cumsum(0)
         self.seed = seed
 
-    def new_cache(self, batch_size: int, max_len: int):
-        return None
+    def new_cache(self, batch_size: int, max_len: int) -> RequestRows:
+        return RequestRows(list(range(batch_size)))
 
     def _rank(self, pos: int) -> int:
         u = torch.rand(1, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + pos)).item()
@@ -86,4 +99,4 @@ def demo_drafter(kind: str, target, prompts: list[list[int]], max_new_tokens: in
     return NoisyOracleDrafter(seqs, target.config.vocab_size, block_size)
 
 
-__all__ = ["DEMO_PROMPT", "NoisyOracleDrafter", "demo_drafter", "demo_target"]
+__all__ = ["DEMO_PROMPT", "NoisyOracleDrafter", "RequestRows", "demo_drafter", "demo_target"]

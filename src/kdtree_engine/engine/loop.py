@@ -83,42 +83,78 @@ def _prefill(target, prompts: list[list[int]], cache, capture: tuple[int, ...], 
     return out, last, lens
 
 
-def _autoregressive(target, prompts, reqs, params, gen, stats, timer, max_len, impl) -> None:
-    cache = target.new_cache(len(prompts), max_len)
+@dataclass
+class _Batch:
+    """The requests still running, one batch row each (finished requests are dropped from the batch).
+
+    rows [n] request index of each row; cache: the target's LatentKVCache; dcache: the drafter's cache
+    (None for autoregressive); start [n] cached rows = position of the bonus token; bonus [n] the last
+    committed token, not yet cached; ctx [n, C, F] / ctx_lens [n]: target features the drafter has
+    not seen yet (None for autoregressive)."""
+
+    rows: list[int]
+    cache: object
+    dcache: object | None
+    start: torch.Tensor
+    bonus: torch.Tensor
+    ctx: torch.Tensor | None = None
+    ctx_lens: torch.Tensor | None = None
+
+    def drop_finished(self, reqs: _Requests) -> None:
+        alive = [i for i, r in enumerate(self.rows) if reqs.active[r]]
+        if not alive or len(alive) == len(self.rows):
+            return
+        idx = torch.tensor(alive, device=self.start.device)
+        self.rows = [self.rows[i] for i in alive]
+        self.cache = type(self.cache)(self.cache.kv.index_select(1, idx), self.cache.seqlens[idx])
+        if self.dcache is not None:
+            self.dcache = self.dcache.select(idx)
+        self.start, self.bonus = self.start[idx], self.bonus[idx]
+        if self.ctx is not None:
+            self.ctx, self.ctx_lens = self.ctx[idx], self.ctx_lens[idx]
+
+
+def _start(target, drafter, prompts, reqs, params, gen, stats, timer, max_len, impl) -> _Batch:
+    """Prefill; commits each request's first token."""
+    b = len(prompts)
+    capture = tuple(int(i) for i in drafter.target_layer_ids) if drafter is not None else ()
+    cache = target.new_cache(b, max_len)
     with timer.stage("prefill"):
-        _, last, _ = _prefill(target, prompts, cache, (), impl)
-        token = pick_tokens(last[:, None], params, gen)  # [B, 1]
+        out, last, lens = _prefill(target, prompts, cache, capture, impl)
+        bonus = pick_tokens(last[:, None], params, gen)[:, 0]  # [B]
     stats.target_forwards += 1
-    for b, t in enumerate(token[:, 0].tolist()):
-        reqs.commit(b, [t])
+    for r, t in enumerate(bonus.tolist()):
+        reqs.commit(r, [t])
+    dcache = drafter.new_cache(b, max_len) if drafter is not None else None
+    batch = _Batch(list(range(b)), cache, dcache, lens, bonus, out.hidden, lens.clone())
+    batch.drop_finished(reqs)
+    return batch
+
+
+def _autoregressive(target, prompts, reqs, params, gen, stats, timer, max_len, impl) -> None:
+    batch = _start(target, None, prompts, reqs, params, gen, stats, timer, max_len, impl)
     while any(reqs.active):
         with timer.stage("verify"):
-            logits = target(token, cache, impl=impl).logits  # [B, 1, V]
+            logits = target(batch.bonus[:, None], batch.cache, impl=impl).logits  # [n, 1, V]
         stats.target_forwards += 1
         with timer.stage("accept"):
-            token = pick_tokens(logits, params, gen)
+            batch.bonus = pick_tokens(logits, params, gen)[:, 0]
         with timer.stage("commit"):
-            for b, t in enumerate(token[:, 0].tolist()):
-                if reqs.active[b]:
-                    reqs.commit(b, [t])
+            for r, t in zip(batch.rows, batch.bonus.tolist()):
+                reqs.commit(r, [t])
+            batch.drop_finished(reqs)
 
 
 def _speculative(
     target, drafter, prompts, reqs, params, gen, stats, timer, method, budget, limit, max_len, impl
 ) -> None:
-    b_size, capture = len(prompts), tuple(int(i) for i in drafter.target_layer_ids)
-    cache = target.new_cache(b_size, max_len)
-    dcache = drafter.new_cache(b_size, max_len)
-    with timer.stage("prefill"):
-        out, last, start = _prefill(target, prompts, cache, capture, impl)
-        bonus = pick_tokens(last[:, None], params, gen)[:, 0]  # [B]
-    stats.target_forwards += 1
-    for b, t in enumerate(bonus.tolist()):
-        reqs.commit(b, [t])
-    ctx, ctx_lens = out.hidden, start.clone()  # [B, T, F], [B]
+    capture = tuple(int(i) for i in drafter.target_layer_ids)
+    batch = _start(target, drafter, prompts, reqs, params, gen, stats, timer, max_len, impl)
     while any(reqs.active):
         with timer.stage("draft"):
-            draft_logits = drafter.draft(target, ctx, ctx_lens, bonus, start, dcache)  # [B, L, V]
+            draft_logits = drafter.draft(
+                target, batch.ctx, batch.ctx_lens, batch.bonus, batch.start, batch.dcache
+            )  # [n, L, V]
         stats.drafter_forwards += 1
         with timer.stage("tree_build"):
             if method == "dflash":
@@ -126,38 +162,37 @@ def _speculative(
             else:
                 tree = build_tree_from_logits(draft_logits, budget, impl=impl, validate=False)
         with timer.stage("compile"):
-            vin = compile_tree(tree, bonus, start, impl=impl)
+            vin = compile_tree(tree, batch.bonus, batch.start, impl=impl)
             # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
             positions = vin.positions.clamp(max=limit - 1) if limit is not None else vin.positions
         with timer.stage("verify"):
             out = target(
                 vin.input_ids,
-                cache,
+                batch.cache,
                 positions=positions,
                 visibility=vin.visibility,
                 capture_layers=capture,
                 impl=impl,
-            )
+            )  # [n, N, V]
         stats.target_forwards += 1
         with timer.stage("accept"):
             acc = accept_greedy(tree, pick_tokens(out.logits, params, gen), impl=impl)
         with timer.stage("commit"):
-            active = torch.tensor(reqs.active, device=start.device)
-            keep_len = torch.where(active, acc.accept_len, 0)
-            cache.compact(start, acc.accepted, keep_len)
-            idx = acc.accepted.clamp(min=0)  # [B, L + 1]
-            ctx = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
-            ctx_lens, start, bonus = keep_len, start + keep_len, acc.bonus
-            _commit_round(reqs, stats, vin.input_ids.gather(1, idx), acc.accept_len, bonus)
+            _commit_round(reqs, stats, batch, vin, out, acc)
 
 
-def _commit_round(reqs: _Requests, stats: GenerationStats, tokens, accept_len, bonus) -> None:
-    """tokens [B, L + 1] tokens of the accepted nodes (root first); the root was committed last round."""
-    tokens, lens, bonus = tokens.tolist(), accept_len.tolist(), bonus.tolist()
-    for b in range(len(tokens)):
-        if reqs.active[b]:
-            stats.accept_lengths.append(lens[b])
-            reqs.commit(b, tokens[b][1 : lens[b]] + [bonus[b]])
+def _commit_round(reqs: _Requests, stats: GenerationStats, batch: _Batch, vin, out, acc) -> None:
+    """Keep the accepted rows of the target cache, hand their features to the drafter, commit the
+    tokens of the accepted nodes (root excluded: it was committed last round) and the bonus token."""
+    batch.cache.compact(batch.start, acc.accepted, acc.accept_len)
+    idx = acc.accepted.clamp(min=0)  # [n, L + 1]
+    batch.ctx = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
+    batch.ctx_lens, batch.start, batch.bonus = acc.accept_len, batch.start + acc.accept_len, acc.bonus
+    tokens, lens = vin.input_ids.gather(1, idx).tolist(), acc.accept_len.tolist()
+    for r, toks, n, bonus in zip(batch.rows, tokens, lens, acc.bonus.tolist()):
+        stats.accept_lengths.append(n)
+        reqs.commit(r, toks[1:n] + [bonus])
+    batch.drop_finished(reqs)
 
 
 def generate(
@@ -201,8 +236,7 @@ def generate(
         if method == "dflash":
             budget = depth
     limits = [max_new_tokens if limit is None else min(max_new_tokens, limit - len(p)) for p in prompts]
-    # A request may overshoot its limit by one round (<= L + 1 rows) before it is stopped, and a stopped
-    # request's rows are still written (then dropped) by the verify forwards of the others.
+    # The last round of a request may write a whole tree past its limit before the request is dropped.
     margin = 2 if method == "autoregressive" else budget + drafter.block_size + 2
     max_len = max(len(p) for p in prompts) + max_new_tokens + margin
     device = target.lm_head.weight.device
