@@ -103,3 +103,13 @@ def test_stats_and_streaming():
     for stage in ("prefill", "draft", "tree_build", "compile", "verify", "accept", "commit"):
         assert s.stage_times[stage] > 0, stage
     assert s.tokens_per_s > 0 and "target forwards" in s.summary()
+
+
+def test_stage_timing_off_changes_nothing_but_the_timers():
+    target, drafter = tiny_target(0), tiny_drafter(0)
+    prompts = random_prompts(3, [4, 6], target.config.vocab_size)
+    timed = generate(target, drafter, prompts, 12, budget=16)
+    untimed = generate(target, drafter, prompts, 12, budget=16, stage_timing=False)
+    assert untimed.tokens == timed.tokens and untimed.stats.accept_lengths == timed.stats.accept_lengths
+    assert not any(untimed.stats.stage_times.values()) and untimed.stats.wall_time > 0
+    assert "stages: not timed" in untimed.stats.summary()

@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: triton kernels on CUDA, reference on CPU",
     )
     parser.add_argument("--no-stream", action="store_true", help="print the output only at the end")
+    parser.add_argument(
+        "--no-stage-timing", action="store_true", help="skip per-stage timers (no CUDA syncs between stages)"
+    )
 
 
 class _Tokenizer:
@@ -146,6 +149,7 @@ def _run(args, target, drafter, prompts, method, tok, stream: bool) -> Generatio
         stop_tokens=args.stop or (),
         impl=args.impl,
         on_tokens=on_tokens if stream else None,
+        stage_timing=not args.no_stage_timing,
     )
     if stream:
         print()

@@ -210,6 +210,7 @@ def generate(
     stop_tokens=(),
     impl: str | None = None,
     on_tokens: OnTokens | None = None,
+    stage_timing: bool = True,
 ) -> GenerationOutput:
     """Generate up to max_new_tokens per prompt.
 
@@ -220,6 +221,7 @@ def generate(
     block_size - 1. temperature 0 is greedy; otherwise the target token at every node is drawn
     independently (tempered, top-k, top-p) with a torch.Generator seeded by `seed`. A request stops after
     a token in stop_tokens (kept) or at the target's context limit. on_tokens(b, tokens) streams commits.
+    stage_timing=False skips the per-stage timers (and their CUDA syncs); the wall time is still taken.
     Returns GenerationOutput(tokens [B][n_b] new tokens, stats).
     """
     cfg = target.config
@@ -242,7 +244,7 @@ def generate(
     device = target.lm_head.weight.device
     gen = torch.Generator(device=device).manual_seed(int(seed))
     stats = GenerationStats(method=method, batch_size=len(prompts))
-    timer = StageTimer(device)
+    timer = StageTimer(device, enabled=stage_timing)
     reqs = _Requests(limits, stops, on_tokens)
     if not any(reqs.active):
         return GenerationOutput(tokens=reqs.tokens, stats=stats)

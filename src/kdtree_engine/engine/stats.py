@@ -14,8 +14,12 @@ STAGES = ("prefill", "draft", "tree_build", "compile", "verify", "accept", "comm
 
 
 class StageTimer:
-    def __init__(self, device: torch.device) -> None:
+    """Accumulates seconds per stage. enabled=False times nothing (no device syncs between stages, for
+    throughput runs); now() still syncs, for the wall time."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
         self.sync = device.type == "cuda"
+        self.enabled = enabled
         self.times = dict.fromkeys(STAGES, 0.0)
 
     def now(self) -> float:
@@ -25,6 +29,9 @@ class StageTimer:
 
     @contextmanager
     def stage(self, name: str):
+        if not self.enabled:
+            yield
+            return
         t0 = self.now()
         try:
             yield
@@ -69,7 +76,7 @@ class GenerationStats:
         return self.total_new_tokens / self.wall_time if self.wall_time > 0 else float("nan")
 
     def summary(self) -> str:
-        stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_times.items() if v > 0)
+        stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_times.items() if v > 0) or "not timed"
         hist = " ".join(f"{k}:{v}" for k, v in self.accept_histogram.items())
         return (
             f"[{self.method}] {self.total_new_tokens} new tokens (batch {self.batch_size}) in "
