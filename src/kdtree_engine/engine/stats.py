@@ -76,7 +76,8 @@ class GenerationStats:
         return self.total_new_tokens / self.wall_time if self.wall_time > 0 else float("nan")
 
     def summary(self) -> str:
-        stages = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_times.items() if v > 0) or "not timed"
+        timed = [f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_times.items() if v > 0]
+        stages = ", ".join(timed) or "not timed"
         hist = " ".join(f"{k}:{v}" for k, v in self.accept_histogram.items())
         return (
             f"[{self.method}] {self.total_new_tokens} new tokens (batch {self.batch_size}) in "
