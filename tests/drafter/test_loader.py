@@ -66,6 +66,7 @@ def test_default_target_layer_ids_follow_the_official_rule():
         (dict(block_size=1), "block_size"),
         (dict(num_key_value_heads=5), "num_key_value_heads"),
         (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope scaling"),
+        (dict(use_sliding_window=True), "sliding-window"),
     ],
 )
 def test_bad_config(change, match):

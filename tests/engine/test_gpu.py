@@ -35,11 +35,11 @@ def _models(dtype, seed=0):
 
 
 @pytest.mark.parametrize("impl", [None, "ref"], ids=["kernels", "ref"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_invariant_cuda_float32(impl, seed):
     target, drafter = _models(torch.float32, seed)
     prompts = random_prompts(seed, [7, 30, 1, 12], target.config.vocab_size)
-    n = 48
+    n = 40
     expected = model_generate(target, prompts, n, impl=impl)
     for method, budget in [("autoregressive", None), ("dflash", None)] + [
         ("ddtree", b) for b in (1, 4, 16, 32)

@@ -83,6 +83,8 @@ class DFlashConfig:
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ValueError(f"config: rope scaling {rope!r} is not supported by the DFlash drafter")
+        if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()):
+            raise ValueError("config: sliding-window drafter layers are not supported")
         heads = int(d["num_attention_heads"])
         known = set(cls.__dataclass_fields__)
         return cls(
