@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kdtree_engine.ref.tree import accept_greedy
+from kdtree_engine.ref import tree as ref_tree  # module import: ref.tree may still be initializing
 from kdtree_engine.tree.types import AcceptResult, DraftTree
 
 
@@ -83,4 +83,4 @@ def accept_sampled(
     """Sample the target's token at every node (sample_tokens), then walk as greedy accept does.
     Returns (AcceptResult, sampled tokens [B, N] int64)."""
     sampled = sample_tokens(logits, noise, cutoffs, temperature)
-    return accept_greedy(tree, sampled), sampled
+    return ref_tree.accept_greedy(tree, sampled), sampled
