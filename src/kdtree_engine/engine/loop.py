@@ -114,71 +114,91 @@ class _Batch:
             self.ctx, self.ctx_lens = self.ctx[idx], self.ctx_lens[idx]
 
 
-def _start(target, drafter, prompts, reqs, params, gen, stats, timer, max_len, impl) -> _Batch:
+@dataclass
+class _Run:
+    """Everything one generate() call shares across rounds."""
+
+    target: object
+    drafter: object | None
+    reqs: _Requests
+    params: SamplingParams
+    gen: torch.Generator
+    stats: GenerationStats
+    timer: StageTimer
+    method: str
+    budget: int
+    limit: int | None  # the target's context length (positions < limit)
+    max_len: int  # cache rows per request
+    impl: str | None
+
+    @property
+    def capture(self) -> tuple[int, ...]:
+        return tuple(int(i) for i in self.drafter.target_layer_ids) if self.drafter is not None else ()
+
+
+def _start(run: _Run, prompts: list[list[int]]) -> _Batch:
     """Prefill; commits each request's first token."""
     b = len(prompts)
-    capture = tuple(int(i) for i in drafter.target_layer_ids) if drafter is not None else ()
-    cache = target.new_cache(b, max_len)
-    with timer.stage("prefill"):
-        out, last, lens = _prefill(target, prompts, cache, capture, impl)
-        bonus = pick_tokens(last[:, None], params, gen)[:, 0]  # [B]
-    stats.target_forwards += 1
+    cache = run.target.new_cache(b, run.max_len)
+    with run.timer.stage("prefill"):
+        out, last, lens = _prefill(run.target, prompts, cache, run.capture, run.impl)
+        bonus = pick_tokens(last[:, None], run.params, run.gen)[:, 0]  # [B]
+    run.stats.target_forwards += 1
     for r, t in enumerate(bonus.tolist()):
-        reqs.commit(r, [t])
-    dcache = drafter.new_cache(b, max_len) if drafter is not None else None
+        run.reqs.commit(r, [t])
+    dcache = run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None
     batch = _Batch(list(range(b)), cache, dcache, lens, bonus, out.hidden, lens.clone())
-    batch.drop_finished(reqs)
+    batch.drop_finished(run.reqs)
     return batch
 
 
-def _autoregressive(target, prompts, reqs, params, gen, stats, timer, max_len, impl) -> None:
-    batch = _start(target, None, prompts, reqs, params, gen, stats, timer, max_len, impl)
-    while any(reqs.active):
+def _autoregressive(run: _Run, prompts: list[list[int]]) -> None:
+    batch, timer = _start(run, prompts), run.timer
+    while any(run.reqs.active):
         with timer.stage("verify"):
-            logits = target(batch.bonus[:, None], batch.cache, impl=impl).logits  # [n, 1, V]
-        stats.target_forwards += 1
+            logits = run.target(batch.bonus[:, None], batch.cache, impl=run.impl).logits  # [n, 1, V]
+        run.stats.target_forwards += 1
         with timer.stage("accept"):
-            batch.bonus = pick_tokens(logits, params, gen)[:, 0]
+            batch.bonus = pick_tokens(logits, run.params, run.gen)[:, 0]
         with timer.stage("commit"):
             for r, t in zip(batch.rows, batch.bonus.tolist()):
-                reqs.commit(r, [t])
-            batch.drop_finished(reqs)
+                run.reqs.commit(r, [t])
+            batch.drop_finished(run.reqs)
 
 
-def _speculative(
-    target, drafter, prompts, reqs, params, gen, stats, timer, method, budget, limit, max_len, impl
-) -> None:
-    capture = tuple(int(i) for i in drafter.target_layer_ids)
-    batch = _start(target, drafter, prompts, reqs, params, gen, stats, timer, max_len, impl)
-    while any(reqs.active):
-        with timer.stage("draft"):
-            draft_logits = drafter.draft(
-                target, batch.ctx, batch.ctx_lens, batch.bonus, batch.start, batch.dcache
-            )  # [n, L, V]
-        stats.drafter_forwards += 1
-        with timer.stage("tree_build"):
-            if method == "dflash":
-                tree = chain_tree(draft_logits)
-            else:
-                tree = build_tree_from_logits(draft_logits, budget, impl=impl, validate=False)
+def _build(run: _Run, b: _Batch) -> DraftTree:
+    """One drafter forward -> the DFlash chain or the DDTree of the round."""
+    with run.timer.stage("draft"):
+        draft_logits = run.drafter.draft(run.target, b.ctx, b.ctx_lens, b.bonus, b.start, b.dcache)
+    run.stats.drafter_forwards += 1
+    with run.timer.stage("tree_build"):
+        if run.method == "dflash":
+            return chain_tree(draft_logits)  # [n, L, V] -> L nodes
+        return build_tree_from_logits(draft_logits, run.budget, impl=run.impl, validate=False)
+
+
+def _speculative(run: _Run, prompts: list[list[int]]) -> None:
+    batch, timer = _start(run, prompts), run.timer
+    while any(run.reqs.active):
+        tree = _build(run, batch)
         with timer.stage("compile"):
-            vin = compile_tree(tree, batch.bonus, batch.start, impl=impl)
+            vin = compile_tree(tree, batch.bonus, batch.start, impl=run.impl)
             # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
-            positions = vin.positions.clamp(max=limit - 1) if limit is not None else vin.positions
+            positions = vin.positions if run.limit is None else vin.positions.clamp(max=run.limit - 1)
         with timer.stage("verify"):
-            out = target(
+            out = run.target(
                 vin.input_ids,
                 batch.cache,
                 positions=positions,
                 visibility=vin.visibility,
-                capture_layers=capture,
-                impl=impl,
-            )  # [n, N, V]
-        stats.target_forwards += 1
+                capture_layers=run.capture,
+                impl=run.impl,
+            )  # logits [n, N, V]
+        run.stats.target_forwards += 1
         with timer.stage("accept"):
-            acc = accept_greedy(tree, pick_tokens(out.logits, params, gen), impl=impl)
+            acc = accept_greedy(tree, pick_tokens(out.logits, run.params, run.gen), impl=run.impl)
         with timer.stage("commit"):
-            _commit_round(reqs, stats, batch, vin, out, acc)
+            _commit_round(run.reqs, run.stats, batch, vin, out, acc)
 
 
 def _commit_round(reqs: _Requests, stats: GenerationStats, batch: _Batch, vin, out, acc) -> None:
@@ -248,26 +268,10 @@ def generate(
     reqs = _Requests(limits, stops, on_tokens)
     if not any(reqs.active):
         return GenerationOutput(tokens=reqs.tokens, stats=stats)
+    run = _Run(target, drafter, reqs, params, gen, stats, timer, method, budget or 0, limit, max_len, impl)
     t0 = timer.now()
     with torch.inference_mode():
-        if method == "autoregressive":
-            _autoregressive(target, prompts, reqs, params, gen, stats, timer, max_len, impl)
-        else:
-            _speculative(
-                target,
-                drafter,
-                prompts,
-                reqs,
-                params,
-                gen,
-                stats,
-                timer,
-                method,
-                budget,
-                limit,
-                max_len,
-                impl,
-            )
+        (_autoregressive if method == "autoregressive" else _speculative)(run, prompts)
     stats.wall_time = timer.now() - t0
     stats.stage_times = dict(timer.times)
     stats.new_tokens = [len(t) for t in reqs.tokens]
