@@ -2,9 +2,11 @@
 
 Kimi-K2 shapes per layer (d_c = 512, d_r = 64, bf16): h heads, t tree nodes per request, s cached
 tokens (prefix + tree) per request, b requests. Work per request: 2*t*h*(576+512)*s FLOPs and 576*2*s
-bytes of cache. Times are medians of CUDA-event timings (triton.testing.do_bench, L2 flushed between
-calls). The roofline is measured in the same run: a device-to-device copy (bytes read + written) and a
-large bf16 matmul; roof% = max(FLOPs / matmul rate, bytes / copy rate) / our time.
+bytes of cache. Times are GPU times per call: medians of CUDA-event timings of CUDA-graph replays
+(triton.testing.do_bench, L2 flushed before each replay) of several calls on distinct inputs; host
+launch overhead is excluded (see graph_us). The roofline is measured in the same run: a device-to-device
+copy (bytes read + written) and a large bf16 matmul; roof% = max(FLOPs / matmul rate, bytes / copy
+rate) / our time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 D_C, D_R = 512, 64
 D = D_C + D_R
 NAIVE_MAX_BYTES = 40 << 30  # skip naive torch where its fp32 score matrix would not fit comfortably
+ROTATE_BYTES = 256 << 20  # cache bytes touched per timed graph, several times the 50 MB L2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +49,7 @@ def _tree_visibility(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
 def make_problem(b: int, t: int, h: int, s: int, page: int, device: torch.device, seed: int = 0) -> dict:
     """Random bf16 problem with every request at length s (prefix s - t plus the tree)."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, t, h, D, generator=gen).to(device, torch.bfloat16)
+    q = torch.randn(b, t, h, D, device=device, dtype=torch.bfloat16)
     kv = torch.randn(b, s, D, device=device, dtype=torch.bfloat16)
     problem = {"q": q, "kv": kv, "lengths": torch.full((b,), s, device=device, dtype=torch.int32)}
     problem["vis"] = _tree_visibility(b, t, gen).to(device)
@@ -89,46 +92,54 @@ def work(b: int, t: int, h: int, s: int) -> tuple[float, float]:
     return 2.0 * t * h * (D + D_C) * s * b, float(D * 2 * s * b)
 
 
-def time_point(b, t, h, s, args, roof, device) -> dict:
+def graph_us(calls: list, rep: int) -> float:
+    """GPU time of one call: the calls (each on its own inputs, so that together they overflow the L2)
+    are captured in one CUDA graph, whose replays are timed (median, L2 flushed before each replay).
+    Host launch overhead is left out; it is the same for every call of a captured model step."""
     from triton.testing import do_bench
 
+    for call in calls:  # compile and warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return 1e3 * do_bench(graph.replay, rep=rep, return_mode="median") / len(calls)
+
+
+def time_point(b, t, h, s, args, roof, device) -> dict:
     from kdtree_engine.kernels import mla_attention as kernels
 
-    p = make_problem(b, t, h, s, args.page_size, device)
+    kv_bytes = b * s * D * 2
+    copies = max(1, min(32, -(-ROTATE_BYTES // kv_bytes)))
+    problems = [make_problem(b, t, h, s, args.page_size, device, seed=i) for i in range(copies)]
     scale = 192**-0.5
 
-    def ours(config=None, num_splits=None):
-        return kernels.tree_mla_attention(
-            p["q"],
-            p["kv"],
-            p["lengths"],
-            p["vis"],
-            scale,
-            D_C,
-            p["block_table"],
-            max_seqlen=s,
-            config=config,
-            num_splits=num_splits,
-        )
+    def ours(p, config=None, num_splits=None):
+        return lambda: kernels.tree_mla_attention(p["q"], p["kv"], p["lengths"], p["vis"], scale, D_C,
+                                                  p["block_table"], max_seqlen=s, config=config,
+                                                  num_splits=num_splits)  # fmt: skip
 
     flops, nbytes = work(b, t, h, s)
-    row = {"h": h, "t": t, "s": s, "b": b, "us": 1e3 * do_bench(ours, rep=args.rep, return_mode="median")}
+    row = {"h": h, "t": t, "s": s, "b": b, "copies": copies}
+    row["us"] = graph_us([ours(p) for p in problems], args.rep)
     row.update(tflops=flops / row["us"] / 1e6, gbps=nbytes / row["us"] / 1e3)
     floor_us = max(flops / roof["matmul_TFLOPs"] / 1e6, nbytes / roof["copy_GBps"] / 1e3)
     row["roof_pct"] = 100 * floor_us / row["us"]
-    kv_dense = p["kv"] if p["block_table"] is None else None
-    if not args.no_naive and kv_dense is not None and b * t * h * s * 10 < NAIVE_MAX_BYTES:
-        out, _ = ours()
-        want = naive_attention(p["q"], kv_dense, p["vis"], scale)
+    dense = args.page_size == 0
+    if not args.no_naive and dense and copies * b * t * h * s * 12 < NAIVE_MAX_BYTES:
+        p = problems[0]
+        out, _ = ours(p)()
+        want = naive_attention(p["q"], p["kv"], p["vis"], scale)
         row["max_err_vs_naive"] = float((out.float() - want.float()).abs().max())
-        naive_us = 1e3 * do_bench(
-            lambda: naive_attention(p["q"], kv_dense, p["vis"], scale), rep=args.rep, return_mode="median"
-        )
+        naive = [lambda p=p: naive_attention(p["q"], p["kv"], p["vis"], scale) for p in problems]
+        naive_us = graph_us(naive, args.rep)
         row.update(naive_us=naive_us, naive_tflops=flops / naive_us / 1e6, naive_gbps=nbytes / naive_us / 1e3)
         row["speedup"] = naive_us / row["us"]
     if args.sweep:
-        row["variants"] = sweep_variants(ours, row["us"], args.rep)
-    p.clear()
+        row["variants"] = sweep_variants(problems, ours, row["us"], args.rep)
+    problems.clear()
     torch.cuda.empty_cache()
     return row
 
@@ -136,19 +147,15 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
 CANDIDATES = [(64, 64, 8, 2), (16, 32, 4, 3), (16, 64, 4, 3), (32, 32, 4, 3)]  # (BM, BN, warps, stages)
 
 
-def sweep_variants(ours, default_us: float, rep: int) -> list[dict]:
+def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
     """Time each candidate config at its heuristic split count and at a few fixed split counts."""
-    from triton.testing import do_bench
-
     from kdtree_engine.kernels import mla_attention as kernels
 
     found = []
     for cand, splits in itertools.product(CANDIDATES, [None, 4]):
         cfg = kernels.Config(*cand)
         try:
-            us = 1e3 * do_bench(
-                lambda cfg=cfg, splits=splits: ours(cfg, splits), rep=max(20, rep // 4), return_mode="median"
-            )
+            us = graph_us([ours(p, cfg, splits) for p in problems], max(20, rep // 4))
         except Exception as exc:  # e.g. out of shared memory for this shape: record and move on
             found.append({"config": list(cand), "splits": splits, "error": str(exc)[:120]})
             continue
@@ -224,6 +231,7 @@ def main(args: argparse.Namespace) -> int:
         f"{'paged ' + str(args.page_size) if args.page_size else 'contiguous'} cache"
     )
     print(header, json.dumps(roof), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for h, t, s, b in itertools.product(args.heads, args.tokens, args.seqlens, args.batch):
         if s < t:
@@ -232,15 +240,14 @@ def main(args: argparse.Namespace) -> int:
         r = rows[-1]
         print(
             f"h={h} t={t} s={s} b={b}: {r['us']:.1f} us {r['tflops']:.0f} TFLOP/s {r['gbps']:.0f} GB/s "
-            f"roof {r['roof_pct']:.0f}% speedup {r.get('speedup', float('nan')):.2f}x",
+            f"roof {r['roof_pct']:.0f}% naive {r.get('naive_us', float('nan')):.1f} us "
+            f"speedup {r.get('speedup', float('nan')):.2f}x",
             flush=True,
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "attention.json").write_text(
-        json.dumps({"header": header, "roof": roof, "rows": rows}, indent=1)
-    )
-    table = markdown(rows, roof, header)
-    (args.out / "attention.md").write_text(table)
+        summary = {"header": header, "roof": roof, "rows": rows}  # rewritten per point: a cut run keeps them
+        (args.out / "attention.json").write_text(json.dumps(summary, indent=1))
+        table = markdown(rows, roof, header)
+        (args.out / "attention.md").write_text(table)
     plot(rows, args.out / "attention.png", header)
-    print(table)
+    print(markdown(rows, roof, header))
     return 0

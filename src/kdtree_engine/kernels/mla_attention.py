@@ -13,6 +13,7 @@ Kernels assume validated inputs (attention.py validates at the public boundary).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -305,10 +306,11 @@ def pick_config(dtype: torch.dtype, rows: int, d_c: int) -> Config:
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:
-        return Config(block_m=16, block_n=32, num_warps=4, num_stages=3)
+        return Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
     return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
 
 
+@functools.lru_cache(maxsize=4096)  # host time matters: this runs once per layer per step
 def pick_num_splits(b: int, m_blocks: int, max_len: int, cfg: Config, d_c: int, d: int, slots: int) -> int:
     """Split count minimizing a cost model, in units of one KV tile's time on one multiprocessor:
     waves of programs times tiles per program, plus writing and re-reading each split's partial output."""
@@ -323,6 +325,13 @@ def pick_num_splits(b: int, m_blocks: int, max_len: int, cfg: Config, d_c: int, 
         if cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+@functools.lru_cache(maxsize=16)
+def _multiprocessors(device_index: int) -> int:
+    if device_index < 0:  # the interpreter: a few programs per split are enough
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _mask_args(visibility, ancestor_bits, causal, dummy):
@@ -363,7 +372,7 @@ def tree_mla_attention(
     cfg = config or pick_config(q.dtype, rows, d_v)
     m_blocks = triton.cdiv(rows, cfg.block_m)
     if num_splits is None:
-        slots = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        slots = _multiprocessors(q.get_device())  # -1 on the CPU
         num_splits = pick_num_splits(b, m_blocks, max_seqlen or capacity, cfg, d_v, d, slots)
     out = torch.empty(b, t, h, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, t, h, dtype=torch.float32, device=q.device)
