@@ -68,5 +68,6 @@ def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
     argv = ["--model", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--device", "cpu"]
     rc, out, _ = _run(capsys, *argv, "--prompt", "w5 w17 w3 w99", "--max-new-tokens", "10", "--compare")
     assert rc == 0 and out.count("output identical: YES") == 2
-    expected = " ".join(f"w{t}" for t in model_generate(ours, [[5, 17, 3, 99]], 10)[0])
+    eos = ours.config.eos_token_id  # the default stop token for checkpoints
+    expected = " ".join(f"w{t}" for t in model_generate(ours, [[5, 17, 3, 99]], 10, eos_token_id=eos)[0])
     assert f"--- ddtree (budget 32) ---\n{expected}\n" in out

@@ -41,11 +41,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop", type=int, action="append", default=None, help="stop token id (repeatable)")
+    parser.add_argument(
+        "--stop",
+        type=int,
+        action="append",
+        default=None,
+        help="stop token id (repeatable); default: the checkpoint's eos_token_id (none in the demo)",
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="no default stop token")
     parser.add_argument(
         "--compare",
         action="store_true",
-        help="also run autoregressive decoding; report the speedup and whether outputs match",
+        help="also run DFlash (after DDTree) and autoregressive decoding; report speedups and "
+        "whether the outputs match",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -122,6 +130,13 @@ def _load(args, prompts_text):
     return target, drafter, tok, [tok.encode(p) for p in prompts_text]
 
 
+def _stop_tokens(args, target) -> list[int]:
+    if args.stop or args.ignore_eos or args.demo or args.model is None:
+        return list(args.stop or ())
+    eos = target.config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
 def _run(args, target, drafter, prompts, method, tok, stream: bool) -> GenerationOutput:
     seen: list[int] = []
     shown = [""]
@@ -146,7 +161,7 @@ def _run(args, target, drafter, prompts, method, tok, stream: bool) -> Generatio
         top_p=args.top_p,
         top_k=args.top_k,
         seed=args.seed,
-        stop_tokens=args.stop or (),
+        stop_tokens=_stop_tokens(args, target),
         impl=args.impl,
         on_tokens=on_tokens if stream else None,
         stage_timing=not args.no_stage_timing,
