@@ -160,15 +160,15 @@ def _select_kernel(
         base = tl.zeros([], tl.int32)
         for t0 in range(0, NGP, TG):
             if t0 < ncg:
-                key, idx, ok = _group_keys(x_ptr, glist, row, V, ncg, t0, TG, G)
-                win = ok & ((key > kth_key) | ((key == kth_key) & (idx <= lo_id)))
+                s_key, s_id, s_ok = _group_keys(x_ptr, glist, row, V, ncg, t0, TG, G)
+                win = s_ok & ((s_key > kth_key) | ((s_key == kth_key) & (s_id <= lo_id)))
                 pos = base + tl.cumsum(win.to(tl.int32), axis=0) - 1
-                tl.store(keys_ptr + row * KP + pos, (key << 32) + (LOW32 - idx), mask=win)
+                tl.store(keys_ptr + row * KP + pos, (s_key << 32) + (LOW32 - s_id), mask=win)
                 base += tl.sum(win.to(tl.int32), axis=0)
         tl.debug_barrier()
         slot = tl.arange(0, KP)
-        top = tl.sort(tl.load(keys_ptr + row * KP + slot, mask=slot < k, other=NONE), descending=True)
-        _emit(x_ptr, row, V, top, slot, k, lse, lp_out, ids_out)
+        winners = tl.sort(tl.load(keys_ptr + row * KP + slot, mask=slot < k, other=NONE), descending=True)
+        _emit(x_ptr, row, V, winners, slot, k, lse, lp_out, ids_out)
 
 
 def logits_topk(
