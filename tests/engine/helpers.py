@@ -25,6 +25,25 @@ def tiny_drafter(target_seed: int = 0, seed: int = 100, block_size: int = 8, **t
     return random_drafter(tiny_drafter_config(target.config, block_size=block_size), seed=seed)
 
 
+def hf_twin(directory, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """(transformers' DeepseekV3ForCausalLM, ours) with the same tiny random weights: the HF model is
+    saved with save_pretrained under `directory` and ours is loaded from there by load_model."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from kdtree_engine.model import load_model
+    from kdtree_engine.model.testing import randomize_
+
+    d = tiny_config().to_hf_dict()
+    d.pop("model_type")
+    hf = DeepseekV3ForCausalLM._from_config(
+        DeepseekV3Config(**d), attn_implementation="sdpa", experts_implementation="eager"
+    )
+    randomize_(hf, seed)
+    hf = hf.to(dtype).eval()
+    hf.save_pretrained(directory)
+    return hf, load_model(directory, dtype=dtype)
+
+
 def random_prompts(seed: int, lengths: list[int], vocab_size: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=gen).tolist() for n in lengths]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
 
 from kdtree_engine.cli import main
 from kdtree_engine.model import generate as model_generate
@@ -57,10 +56,9 @@ def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from kdtree_engine.drafter import random_drafter, save_drafter, tiny_drafter_config
-    from tests.model.hf_compare import hf_pair
+    from tests.engine.helpers import hf_twin
 
-    hf, ours = hf_pair("base", torch.float32)
-    hf.save_pretrained(tmp_path / "target")
+    _, ours = hf_twin(tmp_path / "target")
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     words.save(str(tmp_path / "target" / "tokenizer.json"))

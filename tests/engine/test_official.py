@@ -75,11 +75,11 @@ def _official_drafter(mods, ours):
 
 
 @pytest.mark.parametrize("budget", [4, 32])
-def test_engine_equals_official_ddtree_and_dflash(legacy_crop, budget):
-    from tests.model.hf_compare import hf_pair
+def test_engine_equals_official_ddtree_and_dflash(legacy_crop, budget, tmp_path):
+    from tests.engine.helpers import hf_twin
 
     mods = _import_official()
-    hf, target = hf_pair("base", torch.float64)
+    hf, target = hf_twin(tmp_path, torch.float64)
     drafter = random_drafter(tiny_drafter_config(target.config, block_size=8), seed=3, dtype=torch.float64)
     official = _official_drafter(mods, drafter)
     prompt, n, mask = [5, 17, 3, 99, 42, 7], 24, drafter.config.mask_token_id
