@@ -63,14 +63,14 @@ def chi2_critical(df: int, z: float = 4.753) -> float:
     return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
-def _draws(params: SamplingParams, seed: int = 1234) -> torch.Tensor:
+def _draws(params: SamplingParams, seed: int = 1234, method: str = "ddtree") -> torch.Tensor:
     target, drafter = _models()
     out = generate(
         target,
         drafter,
         [PROMPT] * DRAWS,
         3,
-        method="ddtree",
+        method=method,
         budget=BUDGET,
         seed=seed,
         temperature=params.temperature,
@@ -78,7 +78,7 @@ def _draws(params: SamplingParams, seed: int = 1234) -> torch.Tensor:
         top_k=params.top_k,
     )
     assert all(len(t) == 3 for t in out.tokens)
-    assert out.stats.target_forwards <= 3
+    assert out.stats.target_forwards <= 4
     return torch.tensor(out.tokens)  # [DRAWS, 3]
 
 
@@ -103,6 +103,10 @@ PARAMS = [SamplingParams(1.0), SamplingParams(0.8, top_p=0.95, top_k=10)]
 @pytest.mark.parametrize("params", PARAMS, ids=["t1.0", "t0.8-p0.95-k10"])
 def test_ddtree_sampling_matches_target_distribution(params):
     assert _rejections(_draws(params), params) == []
+
+
+def test_dflash_sampling_matches_target_distribution():
+    assert _rejections(_draws(PARAMS[0], seed=99, method="dflash"), PARAMS[0]) == []
 
 
 def test_sampling_is_reproducible_from_the_seed():
