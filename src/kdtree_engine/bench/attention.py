@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-naive", action="store_true", help="skip the naive torch baseline")
     parser.add_argument("--sweep", action="store_true", help="also time launch-config / split variants")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per point, ms")
-    parser.add_argument("--out", type=Path, default=Path("bench_out/attention"), help="output directory")
+    parser.add_argument("--out", type=Path, default=Path("out/attention"), help="output directory")
 
 
 def _tree_visibility(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
