@@ -72,7 +72,8 @@ def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
 
 
 def _prefill(target, prompts: list[list[int]], cache, capture: tuple[int, ...], impl):
-    """Returns (ForwardOutput, last logits [B, V]) for the ragged prompts, padded to the longest."""
+    """Prefill of the ragged prompts, padded to the longest: (ForwardOutput, logits of each last real
+    token [B, V], lengths [B] int64)."""
     dev = cache.seqlens.device
     lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
     ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64, device=dev)
