@@ -83,8 +83,8 @@ def test_topk_kimi_vocab_gpu(b, depth, kind):
         check_topk(x, budget, device, want)
         lp, ids = tree_topk.logits_topk(x.to(device), budget)
         got = T.build_tree_from_logits(x.to(device), budget)
-        want = ref.build_tree(lp.cpu(), ids.cpu(), budget)
-        assert torch.equal(got.parents.cpu(), want.parents) and torch.equal(got.tokens.cpu(), want.tokens)
+        tree = ref.build_tree(lp.cpu(), ids.cpu(), budget)
+        assert torch.equal(got.parents.cpu(), tree.parents) and torch.equal(got.tokens.cpu(), tree.tokens)
 
 
 @pytest.mark.gpu
