@@ -160,6 +160,23 @@ def test_public_op_mask_forms(device, mask):
     assert_close("ref out", via_ref[0], want[0], 1e-6)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_causal_prefill_skips_future_tiles(device, splits):
+    """Causal with many row blocks (t = 70 > 64, so no ancestor bits): each block stops at its last node."""
+    gen = torch.Generator().manual_seed(11 + splits)
+    b, t, h = 2, 70, 1
+    q, kv, lengths, _, _, _ = make_inputs(b, t, h, 32, 8, [0, 45], torch.float32, None, "chain", gen)
+    q, kv, lengths = q.to(device), kv.to(device), lengths.to(device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+    cfg = kernels.Config(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    got = kernels.tree_mla_attention(
+        q, kv, lengths, None, 0.2, 32, causal=True, config=cfg, num_splits=splits
+    )
+    want = ref.tree_mla_attention(q, kv, lengths, causal, 0.2, 32)
+    assert_close("out", got[0], want[0], 1e-4)
+    assert_close("lse", got[1], want[1], 1e-4)
+
+
 def _valid(device):
     gen = torch.Generator().manual_seed(3)
     q, kv, lengths, vis, bits, _ = make_inputs(2, 4, 2, 32, 8, [5, 6], torch.float32, None, "random", gen)

@@ -205,6 +205,8 @@ def _split_kv_kernel(
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
+    if MASK_MODE == 2:  # causal (prefill): no row of this block sees past its last node
+        hi = tl.minimum(hi, prefix + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1) + 1)
     n_free = tl.maximum(tl.minimum(hi, prefix) - lo, 0) // BLOCK_N  # whole tiles inside the prefix
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query rows (i * H + head)
