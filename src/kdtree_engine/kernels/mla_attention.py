@@ -5,7 +5,8 @@ loaded once per block of BLOCK_M rows and fed to two tensor-core products (QK^T 
 PV over the first d_v = d_c dims of the same tile). The KV range of each request is cut into
 `num_splits` chunks (split-KV); inside a chunk, whole tiles that lie in the prefix run without any mask,
 and the few tiles that touch the tree (the last t slots) or the end of the chunk run masked: column j
-of the tree is visible to row (i, head) iff visible[i, j]. Chunks are merged by their log-sum-exp in a
+of the tree is visible to row (i, head) iff visible[i, j] (in causal mode a row block also stops at its
+last node's column). Chunks are merged by their log-sum-exp in a
 second small kernel; with one chunk the first kernel writes the final output directly.
 
 Kernels assume validated inputs (attention.py validates at the public boundary).
@@ -22,7 +23,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MASK_VISIBILITY, MASK_BITS, MASK_CAUSAL = 0, 1, 2
 
 
