@@ -24,6 +24,8 @@ def make_logits(seed: int, b: int, depth: int, vocab: int, kind: str) -> torch.T
     x = torch.randn(b, depth, vocab, generator=g) * 3
     if kind == "bf16":  # coarse bf16: many exact ties
         return torch.round(x).bfloat16()
+    if kind == "half":
+        return x.half()
     if kind == "flat":
         return torch.zeros(b, depth, vocab, dtype=torch.bfloat16)
     if kind == "signed_zero":
@@ -48,6 +50,12 @@ CPU_CASES = [  # (b, depth, vocab, k, kind, knobs)
     (1, 2, 3000, 16, "bf16", {"max_groups": 4}),  # forced slow path
     (1, 1, 100, 60, "signed_zero", {}),  # -0.0 ties with +0.0
     (1, 2, 500, 5, "bf16", {"group": 16, "max_groups": 8}),
+    (2, 2, 1000, 8, "smooth", {"variant": "compact"}),  # float32: unshifted keys
+    (1, 3, 1000, 8, "bf16", {"variant": "compact"}),  # bf16: keys shifted by 16
+    (1, 2, 1000, 8, "half", {"variant": "compact"}),  # fp16: keys shifted by 13
+    (1, 3, 1000, 8, "bf16", {"variant": "compact", "max_compact": 16}),  # too many ties for KC
+    (1, 2, 300, 8, "flat", {"variant": "compact"}),
+    (1, 1, 100, 60, "signed_zero", {"variant": "compact"}),
 ]
 
 
@@ -92,3 +100,18 @@ def test_topk_slow_path_gpu():
     device = torch.device("cuda")
     check_topk(make_logits(0, 2, 2, 163840, "flat"), 32, device)
     check_topk(make_logits(1, 2, 2, 20000, "bf16"), 64, device, max_groups=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["bf16", "smooth", "flat"])
+def test_topk_compact_variant_gpu(kind):
+    """The experimental "compact" top-k variant at the Kimi vocab (B = 64, L = 15)."""
+    x = make_logits(7, 64, 15, 163840, kind).bfloat16()
+    want = ref.logits_to_topk(x, 64)
+    for budget in (8, 32, 64):
+        check_topk(x, budget, torch.device("cuda"), want, variant="compact")
+
+
+def test_unknown_variant_is_a_value_error():
+    with pytest.raises(ValueError, match="variant"):
+        tree_topk.logits_topk(torch.zeros(1, 1, 4), 2, variant="radix")

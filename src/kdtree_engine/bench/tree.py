@@ -111,6 +111,20 @@ def _same_tree(peer_out, tree, r: int) -> bool:
     )
 
 
+def _try_compact(kernels, logits, budget: int, tree, timed) -> float | None:
+    """Times the experimental "compact" top-k variant; None (and the reason printed) if it fails or
+    builds another tree, so the default columns survive."""
+    try:
+        other = kernels.build_tree_from_logits(logits, budget, topk_variant="compact")
+        if not all(torch.equal(getattr(other, f), getattr(tree, f)) for f in ("tokens", "parents")):
+            print("compact top-k variant: tree differs from the default variant", file=sys.stderr)
+            return None
+        return timed(lambda: kernels.build_tree_from_logits(logits, budget, topk_variant="compact"))
+    except Exception as exc:  # an experimental column must not sink the benchmark
+        print(f"compact top-k variant failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
 def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) -> dict:
     from kdtree_engine.kernels import tree as kernels
     from kdtree_engine.ref import tree as ref
@@ -131,6 +145,7 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) 
     row = {"B": b, "budget": budget}
     row["gpu topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
     row["gpu logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
+    row["gpu logits->tree (compact)"] = _try_compact(kernels, logits, budget, tree, timed)
     row["gpu compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
     row["gpu accept"] = timed(lambda: kernels.accept_greedy(tree, target))
     lp_host, ids_host = lp.cpu(), ids.cpu()
@@ -147,8 +162,13 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) 
     return row
 
 
+def _ratio(a: float | None, b: float | None) -> str | None:
+    return None if a is None or b is None else f"{a / b:.3g}x"
+
+
 def _report(rows: list[dict], peers: list[str], header: str, out: Path) -> str:
-    cols = ["gpu topk->tree", "gpu logits->tree", "gpu compile", "gpu accept", "cpu ref", *peers]
+    cols = ["gpu topk->tree", "gpu logits->tree", "gpu logits->tree (compact)", "gpu compile", "gpu accept"]
+    cols += ["cpu ref", *peers]
     ratios = [("cpu ref", "gpu topk->tree")] + [
         (p, c) for p in peers for c in ("gpu topk->tree", "gpu logits->tree")
     ]
@@ -157,7 +177,7 @@ def _report(rows: list[dict], peers: list[str], header: str, out: Path) -> str:
     for r in rows:
         exact = r["exact vs ref"] and all(r[f"{p} same tree"] for p in peers)
         table.append(
-            [r["B"], r["budget"], *[r[c] for c in cols], *[f"{r[a] / r[b_]:.3g}x" for a, b_ in ratios], exact]
+            [r["B"], r["budget"], *[r[c] for c in cols], *[_ratio(r[a], r[b_]) for a, b_ in ratios], exact]
         )
     text = f"{header}\n\n{markdown_table(headers, table)}\n"
     labels = [f"B={r['B']} n={r['budget']}" for r in rows]

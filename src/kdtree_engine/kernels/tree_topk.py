@@ -98,6 +98,52 @@ def _emit(x_ptr, row, V, top, rank, k, lse, lp_out, ids_out):
 
 
 @triton.jit
+def _lse(part_ptr, row, NCH, NCHP: tl.constexpr):
+    """logsumexp of one row from its per-chunk (max, sum exp) partials."""
+    ch = tl.arange(0, NCHP)
+    pm = tl.load(part_ptr + (row * NCH + ch) * 2, mask=ch < NCH, other=float("-inf"))
+    ps = tl.load(part_ptr + (row * NCH + ch) * 2 + 1, mask=ch < NCH, other=0.0)
+    m = tl.max(pm, axis=0)
+    return m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
+
+
+@triton.jit
+def _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out,
+                 TG: tl.constexpr, G: tl.constexpr, NGP: tl.constexpr, KP: tl.constexpr):  # fmt: skip
+    """Exact top-k of one row by bisection over its candidate groups (any number of ties): the k-th
+    key's value key first, then among ties on it the id; then the k winners are collected and sorted.
+    keys_row: [KP] int64 scratch of this row."""
+    lo_key: tl.constexpr = -(1 << 31)
+    lo = tl.full([], lo_key, tl.int64)
+    hi = tl.full([], (1 << 31) - 1, tl.int64)
+    for _ in range(33):
+        mid = lo + (hi - lo + 1) // 2
+        enough = _count(x_ptr, glist, row, V, ncg, mid - 1, -1, TG, G, NGP) >= k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    kth_key = lo
+    lo_id = tl.zeros([], tl.int64)
+    hi_id = lo_id + V - 1
+    for _ in range(33):
+        mid = lo_id + (hi_id - lo_id) // 2
+        enough = _count(x_ptr, glist, row, V, ncg, kth_key, mid, TG, G, NGP) >= k
+        hi_id = tl.where(enough, mid, hi_id)
+        lo_id = tl.where(enough, lo_id, mid + 1)
+    base = tl.zeros([], tl.int32)
+    for t0 in range(0, NGP, TG):
+        if t0 < ncg:
+            s_key, s_id, s_ok = _group_keys(x_ptr, glist, row, V, ncg, t0, TG, G)
+            win = s_ok & ((s_key > kth_key) | ((s_key == kth_key) & (s_id <= lo_id)))
+            pos = base + tl.cumsum(win.to(tl.int32), axis=0) - 1
+            tl.store(keys_row + pos, (s_key << 32) + (LOW32 - s_id), mask=win)
+            base += tl.sum(win.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    slot = tl.arange(0, KP)
+    winners = tl.sort(tl.load(keys_row + slot, mask=slot < k, other=NONE), descending=True)
+    _emit(x_ptr, row, V, winners, slot, k, lse, lp_out, ids_out)
+
+
+@triton.jit
 def _select_kernel(
     x_ptr,  # [R, V] logits
     gmax_ptr,  # [R, NG] float32
@@ -118,11 +164,7 @@ def _select_kernel(
     TG: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    ch = tl.arange(0, NCHP)
-    pm = tl.load(part_ptr + (row * NCH + ch) * 2, mask=ch < NCH, other=float("-inf"))
-    ps = tl.load(part_ptr + (row * NCH + ch) * 2 + 1, mask=ch < NCH, other=0.0)
-    m = tl.max(pm, axis=0)
-    lse = m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
+    lse = _lse(part_ptr, row, NCH, NCHP)
 
     g = tl.arange(0, NGP)
     gkey = _ordered(tl.load(gmax_ptr + row * NG + g, mask=g < NG, other=0.0))
@@ -141,46 +183,92 @@ def _select_kernel(
         top = tl.sort(packed, descending=True)
         _emit(x_ptr, row, V, top, tl.arange(0, MAXG * G), k, lse, lp_out, ids_out)
     else:
-        # k-th key: its value key first, then (among ties on it) the id.
-        lo = tl.full([], lo_key, tl.int64)
-        hi = tl.full([], (1 << 31) - 1, tl.int64)
-        for _ in range(33):
-            mid = lo + (hi - lo + 1) // 2
-            enough = _count(x_ptr, glist, row, V, ncg, mid - 1, -1, TG, G, NGP) >= k
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
-        kth_key = lo
-        lo_id = tl.zeros([], tl.int64)
-        hi_id = lo_id + V - 1
-        for _ in range(33):
-            mid = lo_id + (hi_id - lo_id) // 2
-            enough = _count(x_ptr, glist, row, V, ncg, kth_key, mid, TG, G, NGP) >= k
-            hi_id = tl.where(enough, mid, hi_id)
-            lo_id = tl.where(enough, lo_id, mid + 1)
-        base = tl.zeros([], tl.int32)
-        for t0 in range(0, NGP, TG):
-            if t0 < ncg:
-                s_key, s_id, s_ok = _group_keys(x_ptr, glist, row, V, ncg, t0, TG, G)
-                win = s_ok & ((s_key > kth_key) | ((s_key == kth_key) & (s_id <= lo_id)))
-                pos = base + tl.cumsum(win.to(tl.int32), axis=0) - 1
-                tl.store(keys_ptr + row * KP + pos, (s_key << 32) + (LOW32 - s_id), mask=win)
-                base += tl.sum(win.to(tl.int32), axis=0)
-        tl.debug_barrier()
-        slot = tl.arange(0, KP)
-        winners = tl.sort(tl.load(keys_ptr + row * KP + slot, mask=slot < k, other=NONE), descending=True)
-        _emit(x_ptr, row, V, winners, slot, k, lse, lp_out, ids_out)
+        _slow_select(x_ptr, glist, keys_ptr + row * KP, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
+
+
+@triton.jit
+def _select_compact_kernel(
+    x_ptr,  # [R, V] logits
+    gmax_ptr,  # [R, NG] float32
+    part_ptr,  # [R, NCH, 2] float32
+    glist_ptr,  # [R, NGP] int32 scratch
+    keys_ptr,  # [R, KS] int64 scratch
+    lp_out,  # [R, k] float32
+    ids_out,  # [R, k] int64
+    V,
+    NG,
+    NCH,
+    k,
+    G: tl.constexpr,
+    NGP: tl.constexpr,
+    NCHP: tl.constexpr,
+    MAXG: tl.constexpr,
+    KP: tl.constexpr,
+    KC: tl.constexpr,
+    KS: tl.constexpr,
+    TG: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """The "compact" variant of _select_kernel (same output): the group-max bisection runs on keys
+    shifted right by SHIFT (16 for bf16, 13 for fp16: their low float32 bits are zero, so it is exact
+    for them and only a looser, still valid, bound otherwise), and only the candidates >= T (about k)
+    are compacted and sorted, KC at most; more than KC (heavy ties) go to the bisection path."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = _lse(part_ptr, row, NCH, NCHP)
+    g = tl.arange(0, NGP)
+    gkey = _ordered(tl.load(gmax_ptr + row * NG + g, mask=g < NG, other=0.0))
+    lo_key: tl.constexpr = -(1 << 31)
+    hi_key: tl.constexpr = (1 << 31) - 1
+    top = _kth_largest((gkey >> SHIFT).to(tl.int32), g < NG, k, lo_key >> SHIFT, hi_key >> SHIFT, 33 - SHIFT)
+    thr = tl.where(k > NG, lo_key, top << SHIFT)
+    cand = (g < NG) & (gkey >= thr)
+    ncg = tl.sum(cand.to(tl.int32), axis=0)
+    glist = glist_ptr + row * NGP
+    tl.store(glist + tl.cumsum(cand.to(tl.int32), axis=0) - 1, g, mask=cand)
+    tl.debug_barrier()
+
+    done = tl.zeros([], tl.int32)
+    if ncg <= MAXG:
+        key, idx, ok = _group_keys(x_ptr, glist, row, V, ncg, 0, MAXG, G)
+        sel = ok & (key >= thr)
+        nsel = tl.sum(sel.to(tl.int32), axis=0)
+        if nsel <= KC:
+            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(keys_ptr + row * KS + pos, (key << 32) + (LOW32 - idx), mask=sel)
+            tl.debug_barrier()
+            few = tl.arange(0, KC)
+            small = tl.load(keys_ptr + row * KS + few, mask=few < nsel, other=NONE)
+            _emit(x_ptr, row, V, tl.sort(small, descending=True), few, k, lse, lp_out, ids_out)
+            done += 1
+    if done == 0:
+        _slow_select(x_ptr, glist, keys_ptr + row * KS, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
+
+
+VARIANTS = ("sort", "compact")
+_KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}  # float32 bits that are always zero
 
 
 def logits_topk(
-    logits: torch.Tensor, k: int, *, group: int | None = None, max_groups: int | None = None
+    logits: torch.Tensor,
+    k: int,
+    *,
+    group: int | None = None,
+    max_groups: int | None = None,
+    variant: str = "sort",
+    max_compact: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, L, V] float (validated, V >= 1), 1 <= k <= V ->
     (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
 
-    group (G) and max_groups (MAXG, the fast path's capacity) are tuning knobs; tests shrink them to
-    reach the slow path at small shapes. Under the Triton interpreter (CPU) the defaults are smaller,
-    as its register sort costs seconds per row at the GPU's sizes.
+    variant: "sort" (measured default: sorts every logit of the candidate groups) or "compact"
+    (experimental, see _select_compact_kernel; same output). group (G), max_groups (MAXG, the
+    register path's capacity in groups) and max_compact (KC, the compact path's capacity in logits)
+    are tuning knobs; tests shrink them to reach the fallbacks at small shapes. Under the Triton
+    interpreter (CPU) the defaults are smaller, as its register sort costs seconds per row at the
+    GPU's sizes.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if group is None:
         group = 8 if interpreting else 32
@@ -206,10 +294,15 @@ def logits_topk(
     kp = triton.next_power_of_2(k)
     ngp = triton.next_power_of_2(n_groups)
     glist = torch.empty((rows, ngp), dtype=torch.int32, device=dev)
-    keys = torch.empty((rows, kp), dtype=torch.int64, device=dev)
-    _select_kernel[(rows,)](
-        logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k,
-        G=group, NGP=ngp, NCHP=triton.next_power_of_2(n_chunks), MAXG=max_groups, KP=kp, TG=tg,
-        num_warps=8,
-    )  # fmt: skip
+    sizes = dict(G=group, NGP=ngp, NCHP=triton.next_power_of_2(n_chunks), MAXG=max_groups, KP=kp, TG=tg)
+    if variant == "sort":
+        keys = torch.empty((rows, kp), dtype=torch.int64, device=dev)
+        args = (logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k)
+        _select_kernel[(rows,)](*args, **sizes, num_warps=8)
+        return lp, ids
+    kc = max_compact or min(max_groups * group, max(64, triton.next_power_of_2(4 * k)))
+    keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
+    args = (logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k)
+    shift = _KEY_SHIFT.get(logits.dtype, 0)
+    _select_compact_kernel[(rows,)](*args, **sizes, KC=kc, KS=max(kp, kc), SHIFT=shift, num_warps=4)
     return lp, ids
