@@ -184,7 +184,7 @@ def _valid(device):
 
 
 BAD = {
-    "q": lambda a: {"q": a["q"].double()},
+    "q": lambda a: {"q": a["q"].to(torch.int32)},
     "d_v": lambda a: {"d_v": 41},
     "kv_cache": lambda a: {"kv_cache": a["kv_cache"][..., :39]},
     "cache_seqlens": lambda a: {"cache_seqlens": a["cache_seqlens"] - 6},
@@ -261,3 +261,21 @@ def test_gpu_split_counts(device, splits):
         seed=splits,
         num_splits=splits,
     )
+
+
+def test_float64_runs_the_reference_and_refuses_the_kernel():
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 3, 2, 40, generator=g, dtype=torch.float64)
+    kv = torch.randn(1, 8, 40, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([8])
+    out, lse = tree_mla_attention(q, kv, lengths, softmax_scale=0.2, d_v=32)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    # Causal over the last 3 slots, written out in float64 by hand.
+    scores = torch.einsum("thd,sd->ths", q[0], kv[0]) * 0.2
+    allowed = torch.ones(3, 8, dtype=torch.bool)
+    allowed[:, 5:] = torch.ones(3, 3, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    expect = torch.einsum("ths,sd->thd", torch.softmax(scores, -1), kv[0, :, :32])
+    assert torch.allclose(out[0], expect, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="^q:"):
+        tree_mla_attention(q, kv, lengths, softmax_scale=0.2, d_v=32, impl="triton")

@@ -36,14 +36,16 @@ def tree_mla_attention(
     block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, t, h, d], kv_cache [b, s_max, d] or [pages, page_size, d], cache_seqlens [b] (prefix + t),
-    visibility [b, t, t] bool -> out [b, t, h, d_v] float32, lse [b, t, h] float32 (natural log)."""
+    visibility [b, t, t] bool -> out [b, t, h, d_v], lse [b, t, h] (natural log), both float32, or
+    float64 for float64 inputs."""
     b, t, h, _ = q.shape
-    out = q.new_empty(b, t, h, d_v, dtype=torch.float32)
-    lse = q.new_empty(b, t, h, dtype=torch.float32)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_empty(b, t, h, d_v, dtype=dtype)
+    lse = q.new_empty(b, t, h, dtype=dtype)
     for r in range(b):
         length = int(cache_seqlens[r])
-        kv = gather_kv(kv_cache, block_table, r, length).float()  # [s, d]
-        scores = torch.einsum("thd,sd->ths", q[r].float(), kv) * softmax_scale  # [t, h, s]
+        kv = gather_kv(kv_cache, block_table, r, length).to(dtype)  # [s, d]
+        scores = torch.einsum("thd,sd->ths", q[r].to(dtype), kv) * softmax_scale  # [t, h, s]
         allowed = torch.ones(t, length, dtype=torch.bool, device=q.device)
         allowed[:, length - t :] = visibility[r]
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
