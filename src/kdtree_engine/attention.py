@@ -27,13 +27,14 @@ def tree_mla_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of t tree (or new) tokens per request over its cached prefix plus the tree itself.
 
-    q [b, t, h, d_v + d_r] absorbed queries (bf16, fp16 or float32; float64 runs the reference); kv_cache [b, s_max, d_v + d_r]
-    contiguous per request, or [pages, page_size, d_v + d_r] with block_table [b, max_pages] int32/int64;
+    q [b, t, h, d_v + d_r] absorbed queries (bf16, fp16 or float32; float64 runs the reference);
+    kv_cache [b, s_max, d_v + d_r] contiguous per request, or [pages, page_size, d_v + d_r] with
+    block_table [b, max_pages] int32/int64;
     cache_seqlens [b] int: slots in use, prefix + t (the tree is the last t slots);
     visibility [b, t, t] bool or ancestor_bits [b, t] int64 (t <= 64); neither means causal.
     Row i of the mask must see itself (diagonal set). Returns out [b, t, h, d_v] in q's dtype and
-    lse [b, t, h] float32 (float64 for float64 q; natural log). Value checks (lengths, diagonal, pages) need one host sync and
-    are skipped while a CUDA graph is being captured.
+    lse [b, t, h] float32 (float64 for float64 q; natural log). Value checks (lengths, diagonal, pages)
+    need one host sync and are skipped while a CUDA graph is being captured.
     """
     _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
     max_seqlen = _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table)
