@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kdtree_engine.impl import resolve_impl
@@ -104,7 +106,7 @@ def accept_greedy(tree: DraftTree, target_tokens, *, impl: str | None = None) ->
 def _check_sampling_args(temperature, top_p, top_k) -> tuple[float, float, int]:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise ValueError(f"temperature: expected a float, got {type(temperature).__name__}")
-    if not (temperature > 0 and torch.isfinite(torch.tensor(float(temperature)))):
+    if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature: expected a finite value > 0, got {temperature}")
     if ref_sampling.float32_temperature(temperature) == 0:
         raise ValueError(f"temperature: {temperature} rounds to 0 in float32")
