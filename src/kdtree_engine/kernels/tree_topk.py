@@ -10,7 +10,9 @@ Two launches, the logits read once in full:
    row), packed as int64 keys `ordered(value) << 32 | (2^32 - 1 - id)`, which are distinct and order
    by value, then by smaller id, and sorted in registers. Slow path (ties spread over more groups than
    MAXG, e.g. constant logits): the k-th key is found by bisection over the candidate groups (value
-   bits, then id), then the k winners are collected and sorted.
+   bits, then id), then the k winners are collected and sorted. The experimental "compact" variant
+   (`_select_compact_kernel`, opt-in) sorts only the logits >= T and bisects bf16 keys in 17 steps;
+   same output.
 Output: (top_logprobs [B, L, k] float32 = logit - logsumexp, top_ids [B, L, k] int64), ids and their
 order exactly those of ref.tree.topk_stable; the logsumexp is a float32 sum in another order than
 torch's, so log-probs agree to float32 rounding.
