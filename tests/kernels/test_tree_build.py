@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kdtree_engine import tree as T
+from kdtree_engine.kernels.tree_topk import logits_topk
 from kdtree_engine.ref import tree as ref
 
 FIELDS = ("tokens", "depths", "parents", "num_nodes")
@@ -83,3 +84,37 @@ def test_build_full_sweep_gpu(b, depth):
     device = torch.device("cuda")
     for budget, kind in itertools.product([0, 1, 7, 8, 16, 32, 63, 64, 100, 256], ["smooth", "bf16", "flat"]):
         check(1000 * b + 10 * depth + budget, b, depth, max(budget, 1), budget, kind, device)
+
+
+@pytest.mark.gpu
+def test_step_is_cuda_graph_capturable():
+    """Logits -> tree -> compile -> accept captured once, replayed on fresh inputs, equals the reference."""
+    cuda, b, depth, vocab, budget = torch.device("cuda"), 8, 15, 163840, 32
+    logits = torch.zeros(b, depth, vocab, dtype=torch.bfloat16, device=cuda)
+    roots = torch.zeros(b, dtype=torch.int64, device=cuda)
+    starts = torch.full((b,), 7, dtype=torch.int64, device=cuda)
+    target = torch.zeros(b, budget + 1, dtype=torch.int64, device=cuda)
+
+    def step():
+        tree = T.build_tree_from_logits(logits, budget, validate=False)
+        return tree, T.compile_tree(tree, roots, starts), T.accept_greedy(tree, target)
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tree, verify, acc = step()
+    for seed in (1, 2):
+        g = torch.Generator().manual_seed(seed)
+        fresh = (torch.randn(b, depth, vocab, generator=g) * 2).bfloat16()
+        logits.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        lp, ids = logits_topk(fresh.to(cuda), budget)  # the build is checked on the kernel's own top-k
+        want = ref.build_tree(lp.cpu(), ids.cpu(), budget)
+        assert_same_tree(tree, want)
+        want_verify = ref.compile_tree(want, roots.cpu(), starts.cpu())
+        assert torch.equal(verify.visibility.cpu(), want_verify.visibility)
+        assert torch.equal(acc.accept_len.cpu(), ref.accept_greedy(want, target.cpu()).accept_len)
