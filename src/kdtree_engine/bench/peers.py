@@ -43,8 +43,11 @@ class _TorchWithStableTopk(types.ModuleType):
         return topk_stable(x, k)
 
 
-def load_official(path: str | Path) -> Callable:
-    """Returns build(draft_logits [L, V] tensor, budget) -> (tokens, depths, parents, seconds)."""
+def load_official(path: str | Path, *, stable_topk: bool = True) -> Callable:
+    """Returns build(draft_logits [L, V] tensor, budget) -> (tokens, depths, parents, seconds).
+
+    stable_topk=True pins top-k ties to our order (to compare trees); False keeps the peer's own
+    torch.topk (to time it as it runs)."""
     source = Path(path) / "ddtree.py"
     if not source.is_file():
         raise ValueError(f"path: no ddtree.py under {path} (a checkout of liranringel/ddtree is expected)")
@@ -70,7 +73,8 @@ def load_official(path: str | Path) -> Callable:
                 sys.modules.pop(k, None)
             else:
                 sys.modules[k] = m
-    module.torch = _TorchWithStableTopk()
+    if stable_topk:
+        module.torch = _TorchWithStableTopk()
 
     def build(draft_logits: torch.Tensor, budget: int):
         t0 = time.perf_counter()
