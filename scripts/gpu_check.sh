@@ -16,16 +16,24 @@ status=0
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } \
   >"$R/device.txt" 2>&1
 cat "$R/device.txt"
+# Each step has a time limit (seconds, overridable) so that the whole script ends inside one device call.
+T_TESTS=${T_TESTS:-300} T_DEMO=${T_DEMO:-45} T_TREE=${T_TREE:-110} T_ATTN=${T_ATTN:-140}
+# pytest-xdist, where installed, spreads the Triton compiles of the GPU sweep over the CPU cores.
+xdist=()
+python3 -c 'import xdist' 2>/dev/null && xdist=(-n 8)
 if [ "$what" != bench ]; then
-  python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$R/gpu_tests.log" | tail -40 || status=1
-  python3 -m kdtree_engine generate --demo --compare --device cuda 2>&1 | tee "$R/engine_demo_cuda.log" \
-    | tail -12 || status=1
+  timeout "$T_TESTS" python3 -m pytest -q -m gpu tests -p no:cacheprovider "${xdist[@]}" 2>&1 \
+    | tee "$R/gpu_tests.log" | tail -40 || status=1
+  timeout "$T_DEMO" python3 -m kdtree_engine generate --demo --compare --device cuda 2>&1 \
+    | tee "$R/engine_demo_cuda.log" | tail -12 || status=1
 fi
 if [ "$what" != tests ]; then
   peer=()
   [ -d .peers/ddtree ] && peer=(--peer official=.peers/ddtree)
-  python3 -m kdtree_engine bench tree --out "$R" "${peer[@]}" 2>&1 | tee "$R/bench_tree.log" || status=1
-  python3 -m kdtree_engine bench attention --out "$R" 2>&1 | tee "$R/bench_attention.log" || status=1
+  timeout "$T_TREE" python3 -m kdtree_engine bench tree --out "$R/tree" --host-iters 3 --iters 20 \
+    "${peer[@]}" 2>&1 | tee "$R/bench_tree.log" || status=1
+  timeout "$T_ATTN" python3 -m kdtree_engine bench attention --out "$R/attention" 2>&1 \
+    | tee "$R/bench_attention.log" || status=1
 fi
 tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
 exit $status
