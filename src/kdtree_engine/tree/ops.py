@@ -55,7 +55,7 @@ def build_tree_from_logits(
     if logits.shape[-1] == 0:
         raise ValueError("draft_logits: V (last dim) must be >= 1")
     v.check_float(logits, "draft_logits")
-    if validate:
+    if validate and v.can_read(logits):
         v.check_finite(logits, "draft_logits")
     if resolve_impl(impl, logits.device) == "triton":
         return _kernels().build_tree_from_logits(logits, budget)
@@ -80,13 +80,16 @@ def _check_per_request(x, name: str, tree: DraftTree, width: int | None = None) 
     return t.contiguous()
 
 
-def compile_tree(tree: DraftTree, root_tokens, start_positions, *, impl: str | None = None) -> VerifyInputs:
+def compile_tree(
+    tree: DraftTree, root_tokens, start_positions, *, impl: str | None = None, validate: bool = True
+) -> VerifyInputs:
     """root_tokens [B] int64 (the bonus token each tree hangs from), start_positions [B] int64 (the
-    root's position) -> VerifyInputs with N = budget + 1 (see its docstring)."""
+    root's position) -> VerifyInputs with N = budget + 1 (see its docstring). The sign check of
+    start_positions reads the data: skipped with validate=False and while a CUDA graph is captured."""
     _check_tree(tree)
     roots = _check_per_request(root_tokens, "root_tokens", tree)
     starts = _check_per_request(start_positions, "start_positions", tree)
-    if starts.numel() and bool((starts < 0).any()):
+    if validate and v.can_read(starts) and starts.numel() and bool((starts < 0).any()):
         raise ValueError("start_positions: expected >= 0")
     if resolve_impl(impl, tree.device) == "triton":
         return _kernels().compile_tree(tree, roots, starts)

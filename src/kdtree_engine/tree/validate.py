@@ -12,6 +12,11 @@ import numpy as np
 import torch
 
 
+def can_read(x: torch.Tensor) -> bool:
+    """Whether a data check may read x: not while a CUDA graph is being captured (a read syncs)."""
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def as_tensor(x, name: str) -> torch.Tensor:
     if isinstance(x, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(x))
@@ -89,7 +94,7 @@ def check_topk_inputs(top_logprobs, top_ids, vocab_size: int | None, validate: b
     check_same_device({"top_logprobs": lp, "top_ids": ids})
     lp = check_float(lp, "top_logprobs")
     ids = check_integer_dtype(ids, "top_ids")
-    if validate:
+    if validate and can_read(lp):
         check_finite(lp, "top_logprobs")
         check_sorted_desc(lp, "top_logprobs")
         check_id_range(ids, "top_ids", vocab_size)
