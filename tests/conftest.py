@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: the models and kernels under test are tiny, and on a loaded 2-core CI box a
+    second thread makes every small op wait on the other (measured 5-10x slower). Restored after."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture
 def device() -> torch.device:
     """The device kernel tests run on: CUDA when present, else the CPU (Triton interpreter)."""

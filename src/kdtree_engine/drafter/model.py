@@ -16,20 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdtree_engine.drafter.config import DFlashConfig
-
-
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalize in float32, scale by the weight in the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+from kdtree_engine.model.mla import RMSNorm  # the same norm as Qwen3RMSNorm: float32 statistics
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
