@@ -22,7 +22,8 @@ T_TESTS=${T_TESTS:-300} T_DEMO=${T_DEMO:-45} T_TREE=${T_TREE:-110} T_ATTN=${T_AT
 xdist=()
 python3 -c 'import xdist' 2>/dev/null && xdist=(-n 8)
 if [ "$what" != bench ]; then
-  timeout "$T_TESTS" python3 -m pytest -q -m gpu tests -p no:cacheprovider "${xdist[@]}" 2>&1 \
+  # gpu-marked tests, plus the golden replays (unmarked: on a GPU they run the kernels on CUDA)
+  timeout "$T_TESTS" python3 -m pytest -q -m "gpu or golden" tests -p no:cacheprovider "${xdist[@]}" 2>&1 \
     | tee "$R/gpu_tests.log" | tail -40 || status=1
   timeout "$T_DEMO" python3 -m kdtree_engine generate --demo --compare --device cuda 2>&1 \
     | tee "$R/engine_demo_cuda.log" | tail -12 || status=1

@@ -12,6 +12,9 @@ if not HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "golden" in item.path.parts:
+            item.add_marker(pytest.mark.golden)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
