@@ -30,4 +30,3 @@ def test_ddtree_bundle_equals_autoregressive_bundle():
     assert stored_tokens("engine_ddtree_oracle") == stored_tokens("engine_autoregressive")
     forwards = {n: int(read_bundle(HERE / f"{n}.safetensors").tensors["out.target_forwards"]) for n in CASES}
     assert forwards["engine_ddtree_oracle"] < forwards["engine_autoregressive"]
-

@@ -112,3 +112,14 @@ def test_random_model_is_seeded() -> None:
     cfg = tiny_config()
     assert cfg.first_k_dense_replace == 1 < cfg.num_hidden_layers and cfg.n_group > cfg.topk_group
     assert generate(a, [[1, 2, 3]], 5) == generate(b, [[1, 2, 3]], 5)
+
+
+def test_logits_rows_keeps_one_row_per_request(model) -> None:
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5))
+    lengths = torch.tensor([6, 3])
+    full = model(ids, model.new_cache(2, 8), lengths=lengths).logits  # [2, 6, V]
+    rows = model(ids, model.new_cache(2, 8), lengths=lengths, logits_rows=lengths - 1).logits
+    assert rows.shape == (2, 1, model.config.vocab_size)
+    torch.testing.assert_close(rows[:, 0], full[torch.arange(2), lengths - 1], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="logits_rows"):
+        model(ids, model.new_cache(2, 8), logits_rows=torch.tensor([0, 6]))

@@ -79,8 +79,8 @@ def _prefill(target, prompts: list[list[int]], cache, capture: tuple[int, ...], 
     ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64, device=dev)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64, device=dev)
-    out = target(ids, cache, lengths=lens, capture_layers=capture, impl=impl)
-    last = out.logits[torch.arange(len(prompts), device=dev), lens - 1]  # [B, V]
+    out = target(ids, cache, lengths=lens, capture_layers=capture, impl=impl, logits_rows=lens - 1)
+    last = out.logits[:, 0]  # [B, V]
     return out, last, lens
 
 

@@ -42,8 +42,8 @@ def generate(
     done = [max_new_tokens == 0] * b
     if max_new_tokens == 0:
         return out
-    logits = model(ids, cache, lengths=lengths, impl=impl).logits  # [b, t, V]
-    nxt = logits[torch.arange(b, device=ids.device), lengths - 1].argmax(-1)  # [b]
+    logits = model(ids, cache, lengths=lengths, impl=impl, logits_rows=lengths - 1).logits  # [b, 1, V]
+    nxt = logits[:, 0].argmax(-1)  # [b]
     for _ in range(max_new_tokens):
         for i, tok in enumerate(nxt.tolist()):
             if not done[i]:

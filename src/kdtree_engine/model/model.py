@@ -83,6 +83,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         lengths: torch.Tensor | None = None,
         capture_layers: Sequence[int] = (),
         impl: str | None = None,
+        logits_rows: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run t new tokens per request on top of the cached prefix.
 
@@ -90,8 +91,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         visibility [b, t, t] bool among the new tokens (default causal); lengths [b] int64 real new
         tokens per request (default t). Writes the new latent rows at slots seqlens[b] .. seqlens[b]+t-1
         of every layer, then cache.seqlens += lengths. Returns logits and the captured hidden states.
+        logits_rows [b] int64, when given, keeps one row per request (e.g. a prompt's last token):
+        logits are then [b, 1, V], which saves the [b, t, V] projection of a long prefill.
         """
         b, t = self._check_inputs(input_ids, cache, positions, visibility, lengths, capture_layers)
+        if logits_rows is not None and (
+            logits_rows.shape != (b,) or bool((logits_rows < 0).any() or (logits_rows >= t).any())
+        ):
+            raise ValueError(f"logits_rows: expected [{b}] int64 in 0..{t - 1}, got {logits_rows.tolist()}")
         dev = self.device
         start = cache.seqlens.to(dev)
         if positions is None:
@@ -105,6 +112,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.kv[i], start, visibility, impl)
             captured[i] = x
+        if logits_rows is not None:
+            x = x[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]
         logits = self.lm_head(self.norm(x))
         cache.seqlens = start + (lengths.to(dev) if lengths is not None else t)
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
