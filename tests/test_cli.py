@@ -18,3 +18,8 @@ def test_golden_check_passes():
 def test_unknown_command_exits_nonzero():
     with pytest.raises(SystemExit):
         main(["no-such-command"])
+
+
+def test_golden_with_a_missing_folder_is_refused(tmp_path, capsys):
+    assert main(["golden", "--check", "--dir", str(tmp_path / "nowhere")]) == 2
+    assert "--dir" in capsys.readouterr().out

@@ -51,6 +51,9 @@ def check(directory: Path, ops: list[str] | None = None) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.dir.is_dir():
+        print(f"kdtree-engine golden: --dir {args.dir} is not a folder (run from a checkout, or pass --dir)")
+        return 2
     cases = list(all_cases(args.op))
     if args.regen:
         for op, name, make_case in cases:
