@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kdtree_engine.impl import resolve_impl
+from kdtree_engine.impl import capturing, resolve_impl
 from kdtree_engine.ref import mla_attention as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: impl="ref" only
@@ -124,13 +124,9 @@ def _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, an
         )
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table) -> int | None:
     """Checks that need the tensors' values, in one host transfer; returns max(cache_seqlens)."""
-    if _capturing(q.device):
+    if capturing(q.device):
         return None
     b, t = q.shape[:2]
     seq = cache_seqlens.long()

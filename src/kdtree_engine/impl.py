@@ -15,6 +15,12 @@ def triton_available() -> bool:
     return True
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on device's current stream: data checks that read a
+    tensor (a host sync) must be skipped then."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def resolve_impl(impl: str | None, device: torch.device) -> str:
     """None picks "triton" for CUDA tensors (when triton imports) and "ref" otherwise."""
     if impl is None:

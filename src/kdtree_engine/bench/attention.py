@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from kdtree_engine.bench.plot import markdown_table
+
 D_C, D_R = 512, 64
 D = D_C + D_R
 NAIVE_MAX_BYTES = 40 << 30  # skip naive torch where its fp32 score matrix would not fit comfortably
@@ -166,28 +168,21 @@ def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
 
 
 def markdown(rows: list[dict], roof: dict, header: str) -> str:
-    lines = [
-        header,
-        "",
-        "| h | t | s | b | us | TFLOP/s | GB/s | roof % | naive us | naive TFLOP/s | speedup |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    headers = ["h", "t", "s", "b", "us", "TFLOP/s", "GB/s", "roof %", "naive us", "naive TFLOP/s", "speedup"]
+    table = []
     for r in rows:
         naive = (
-            f"{r['naive_us']:.1f} | {r['naive_tflops']:.0f} | {r['speedup']:.2f}x"
+            [f"{r['naive_us']:.1f}", f"{r['naive_tflops']:.0f}", f"{r['speedup']:.2f}x"]
             if "naive_us" in r
-            else "- | - | -"
+            else [None] * 3
         )
-        lines.append(
-            f"| {r['h']} | {r['t']} | {r['s']} | {r['b']} | {r['us']:.1f} | {r['tflops']:.0f} | "
-            f"{r['gbps']:.0f} | {r['roof_pct']:.0f} | {naive} |"
-        )
-    lines.append("")
-    lines.append(
+        ours = [f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.0f}"]
+        table.append([r["h"], r["t"], r["s"], r["b"], *ours, *naive])
+    return (
+        f"{header}\n\n{markdown_table(headers, table)}\n\n"
         f"Roofline measured in this run: copy {roof['copy_GBps']:.0f} GB/s, "
-        f"bf16 matmul {roof['matmul_TFLOPs']:.0f} TFLOP/s."
+        f"bf16 matmul {roof['matmul_TFLOPs']:.0f} TFLOP/s.\n"
     )
-    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

@@ -73,12 +73,6 @@ def check_drafter(target, drafter) -> None:
         raise ValueError(f"drafter: vocab_size {dcfg.vocab_size} != target vocab_size {tcfg.vocab_size}")
 
 
-def check_count(value, name: str, minimum: int = 0) -> int:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
 def check_stop_tokens(stop_tokens, vocab_size: int) -> frozenset[int]:
     stops = frozenset(int(t) for t in (stop_tokens or ()))
     if any(not 0 <= t < vocab_size for t in stops):

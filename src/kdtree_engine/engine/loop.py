@@ -20,7 +20,9 @@ from kdtree_engine.engine import checks
 from kdtree_engine.engine.checks import METHODS
 from kdtree_engine.engine.sampling import SamplingParams, pick_tokens
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
+from kdtree_engine.model.generate import pad_prompts
 from kdtree_engine.tree import DraftTree, accept_greedy, build_tree_from_logits, compile_tree
+from kdtree_engine.tree.validate import check_int
 
 __all__ = ["METHODS", "GenerationOutput", "chain_tree", "generate"]
 
@@ -74,11 +76,7 @@ def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
 def _prefill(target, prompts: list[list[int]], cache, capture: tuple[int, ...], impl):
     """Prefill of the ragged prompts, padded to the longest: (ForwardOutput, logits of each last real
     token [B, V], lengths [B] int64)."""
-    dev = cache.seqlens.device
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=dev)
-    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.int64, device=dev)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64, device=dev)
+    ids, lens = pad_prompts(prompts, cache.seqlens.device)
     out = target(ids, cache, lengths=lens, capture_layers=capture, impl=impl, logits_rows=lens - 1)
     last = out.logits[:, 0]  # [B, V]
     return out, last, lens
@@ -248,7 +246,7 @@ def generate(
     cfg = target.config
     limit = getattr(cfg, "max_position_embeddings", None)
     checks.check_method(method, drafter, budget)
-    max_new_tokens = checks.check_count(max_new_tokens, "max_new_tokens")
+    max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
     prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
     stops = checks.check_stop_tokens(stop_tokens, cfg.vocab_size)
     params = SamplingParams(float(temperature), float(top_p), int(top_k))

@@ -11,10 +11,12 @@ import numbers
 import numpy as np
 import torch
 
+from kdtree_engine.impl import capturing
+
 
 def can_read(x: torch.Tensor) -> bool:
     """Whether a data check may read x: not while a CUDA graph is being captured (a read syncs)."""
-    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not capturing(x.device)
 
 
 def as_tensor(x, name: str) -> torch.Tensor:
