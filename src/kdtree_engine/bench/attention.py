@@ -118,15 +118,22 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     problems = [make_problem(b, t, h, s, args.page_size, device, seed=i) for i in range(copies)]
     scale = 192**-0.5
 
-    def ours(p, config=None, num_splits=None):
+    def ours(p, config=None, num_splits=None, backend="auto"):
         return lambda: kernels.tree_mla_attention(p["q"], p["kv"], p["lengths"], p["vis"], scale, D_C,
                                                   p["block_table"], max_seqlen=s, config=config,
-                                                  num_splits=num_splits)  # fmt: skip
+                                                  num_splits=num_splits, backend=backend)  # fmt: skip
 
     flops, nbytes = work(b, t, h, s)
     row = {"h": h, "t": t, "s": s, "b": b, "copies": copies}
     row["us"] = graph_us([ours(p) for p in problems], args.rep)
     row.update(tflops=flops / row["us"] / 1e6, gbps=nbytes / row["us"] / 1e3)
+    p = problems[0]
+    row["backend"] = "sm90" if kernels._sm90_ok(p["q"], p["kv"], D_C, t * h) else "triton"
+    if row["backend"] == "sm90":  # the Triton-only kernel, same run: what the sm_90 path adds
+        row["triton_us"] = graph_us([ours(p, backend="triton") for p in problems], args.rep)
+        out, _ = ours(p)()
+        tri, _ = ours(p, backend="triton")()
+        row["max_err_vs_triton"] = float((out.float() - tri.float()).abs().max())
     floor_us = max(flops / roof["matmul_TFLOPs"] / 1e6, nbytes / roof["copy_GBps"] / 1e3)
     row["roof_pct"] = 100 * floor_us / row["us"]
     dense = args.page_size == 0
@@ -168,16 +175,18 @@ def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
 
 
 def markdown(rows: list[dict], roof: dict, header: str) -> str:
-    headers = ["h", "t", "s", "b", "us", "TFLOP/s", "GB/s", "roof %", "naive us", "naive TFLOP/s", "speedup"]
+    headers = ["h", "t", "s", "b", "kernel", "us", "TFLOP/s", "GB/s", "roof %", "Triton-only us",
+               "naive us", "naive TFLOP/s", "speedup"]  # fmt: skip
     table = []
     for r in rows:
+        tri = f"{r['triton_us']:.1f}" if "triton_us" in r else None
         naive = (
             [f"{r['naive_us']:.1f}", f"{r['naive_tflops']:.0f}", f"{r['speedup']:.2f}x"]
             if "naive_us" in r
             else [None] * 3
         )
         ours = [f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.0f}"]
-        table.append([r["h"], r["t"], r["s"], r["b"], *ours, *naive])
+        table.append([r["h"], r["t"], r["s"], r["b"], r.get("backend", "triton"), *ours, tri, *naive])
     return (
         f"{header}\n\n{markdown_table(headers, table)}\n\n"
         f"Roofline measured in this run: copy {roof['copy_GBps']:.0f} GB/s, "
@@ -236,7 +245,8 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"h={h} t={t} s={s} b={b}: {r['us']:.1f} us {r['tflops']:.0f} TFLOP/s {r['gbps']:.0f} GB/s "
             f"roof {r['roof_pct']:.0f}% naive {r.get('naive_us', float('nan')):.1f} us "
-            f"speedup {r.get('speedup', float('nan')):.2f}x",
+            f"speedup {r.get('speedup', float('nan')):.2f}x [{r['backend']}; Triton-only "
+            f"{r.get('triton_us', float('nan')):.1f} us, max diff {r.get('max_err_vs_triton', 0):.3g}]",
             flush=True,
         )
         summary = {"header": header, "roof": roof, "rows": rows}  # rewritten per point: a cut run keeps them

@@ -196,15 +196,23 @@ def _split_kv_kernel(
     PAGED: tl.constexpr,
     MASK_MODE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TAIL_UNIT: tl.constexpr = 0,
 ):
+    """TAIL_UNIT > 0: one split only, the slots from the last multiple of TAIL_UNIT inside the prefix to
+    the end, written as split `num_splits` (the sm_90 prefix kernel wrote splits 0 .. num_splits - 1)."""
     pid_m, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     D: tl.constexpr = D_C + D_R
     HAS_ROPE: tl.constexpr = D_R > 0
     seqlen = tl.load(seqlens_ptr + b).to(tl.int32)
     prefix = seqlen - T
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seqlen)
+    if TAIL_UNIT > 0:
+        lo = (prefix // TAIL_UNIT) * TAIL_UNIT
+        hi = seqlen
+        split = num_splits
+    else:
+        chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, seqlen)
     if MASK_MODE == 2:  # causal (prefill): no row of this block sees past its last node
         hi = tl.minimum(hi, prefix + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1) + 1)
     n_free = tl.maximum(tl.minimum(hi, prefix) - lo, 0) // BLOCK_N  # whole tiles inside the prefix
@@ -345,6 +353,18 @@ def _mask_args(visibility, ancestor_bits, causal, dummy):
     return MASK_VISIBILITY, vis, vis.stride(0), vis.stride(1)
 
 
+BACKENDS = ("auto", "triton", "sm90")
+
+
+def _sm90_ok(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, rows: int) -> bool:
+    """The sm_90 prefix kernel needs Hopper, its shapes, and 16-byte aligned cache rows and queries."""
+    from . import mla_attention_sm90 as sm90
+
+    aligned = kv_cache.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
+    aligned = aligned and kv_cache.stride(0) % 8 == 0 and kv_cache.stride(1) % 8 == 0
+    return aligned and sm90.applies(q, d_v, rows)
+
+
 def tree_mla_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -359,11 +379,17 @@ def tree_mla_attention(
     max_seqlen: int | None = None,
     config: Config | None = None,
     num_splits: int | None = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [b, t, h, d] bf16/fp16/fp32; kv_cache [b, s_max, d] or [pages, page_size, d] with block_table
     [b, max_pages] int; cache_seqlens [b] int (prefix + t); visibility [b, t, t] bool, or ancestor_bits
     [b, t] int64, or causal=True. Returns out [b, t, h, d_v] in q's dtype and lse [b, t, h] float32.
-    max_seqlen (a bound on cache_seqlens, else the capacity) only steers the split count."""
+    max_seqlen (a bound on cache_seqlens, else the capacity) only steers the split count.
+    backend: "triton" (this module's kernel for everything), "sm90" (the Gluon prefix kernel of
+    mla_attention_sm90 for the whole prefix tiles, this module's kernel for the rest; Hopper, bf16/fp16,
+    d = 512 + 64, t*h > 16 only) or "auto" (sm90 where it applies and no config is forced)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     b, t, h, d = q.shape
     rows = t * h
     q = q.contiguous()
@@ -371,35 +397,69 @@ def tree_mla_attention(
         kv_cache = kv_cache.contiguous()
     paged = block_table is not None
     capacity = block_table.shape[1] * kv_cache.shape[1] if paged else kv_cache.shape[1]
+    sm90 = backend == "sm90" or (backend == "auto" and config is None)
+    sm90 = sm90 and _sm90_ok(q, kv_cache, d_v, rows)
+    if backend == "sm90" and not sm90:
+        raise ValueError(
+            "backend: 'sm90' needs a compute capability 9.x GPU, bf16/fp16, d = 512 + 64, t*h > 16"
+        )
     cfg = config or pick_config(q.dtype, rows, d_v)
     m_blocks = triton.cdiv(rows, cfg.block_m)
-    if num_splits is None:
-        slots = _multiprocessors(q.get_device())  # -1 on the CPU
-        num_splits = pick_num_splits(b, m_blocks, max_seqlen or capacity, cfg, d_v, d, slots)
+    slots = _multiprocessors(q.get_device()) if num_splits is None else 0  # -1 on the CPU
     out = torch.empty(b, t, h, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, t, h, dtype=torch.float32, device=q.device)
-    if num_splits == 1:
-        part, plse, sob, sos, slb, sls = out, lse, rows * d_v, 0, rows, 0
-    else:
-        part = torch.empty(b, num_splits, rows, d_v, dtype=torch.float32, device=q.device)
-        plse = torch.empty(b, num_splits, rows, dtype=torch.float32, device=q.device)
-        sob, sos, slb, sls = part.stride(0), part.stride(1), plse.stride(0), plse.stride(1)
     mode, vis, svb, svi = _mask_args(visibility, ancestor_bits, causal, cache_seqlens)
     bt = block_table if paged else cache_seqlens
-    _split_kv_kernel[(m_blocks, num_splits, b)](
-        q, kv_cache, cache_seqlens, vis, bt, part, plse,
-        t, h, rows, num_splits, softmax_scale * LOG2E, kv_cache.shape[1] if paged else 1,
-        q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), svb, svi, sob, sos, slb, sls,
+    page_size = kv_cache.shape[1] if paged else 1
+    qk_scale = softmax_scale * LOG2E
+    common = dict(
         D_C=d_v, D_R=d - d_v, BLOCK_DC=triton.next_power_of_2(d_v),
         BLOCK_DR=max(16, triton.next_power_of_2(max(d - d_v, 1))),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged,
         MASK_MODE=mode, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        block_r = 16
-        _merge_kernel[(triton.cdiv(rows, block_r), b)](
-            part, plse, out, lse, rows, num_splits, part.stride(0), part.stride(1), plse.stride(0),
-            plse.stride(1), D_C=d_v, BLOCK_DC=triton.next_power_of_2(d_v), BLOCK_R=block_r, num_warps=4,
+    if sm90:
+        from . import mla_attention_sm90 as fast
+
+        if num_splits is None:
+            sm90_cfg = Config(block_m=fast.BLOCK_M, block_n=fast.BLOCK_N, num_warps=fast.NUM_WARPS)
+            m90 = triton.cdiv(rows, fast.BLOCK_M)
+            num_splits = pick_num_splits(b, m90, max_seqlen or capacity, sm90_cfg, d_v, d, slots)
+        part = torch.empty(b, num_splits + 1, rows, d_v, dtype=torch.float32, device=q.device)
+        plse = torch.empty(b, num_splits + 1, rows, dtype=torch.float32, device=q.device)
+        fast.launch_prefix(q, kv_cache, cache_seqlens, bt, part, plse, t, rows, num_splits, qk_scale, paged,
+                           page_size)  # fmt: skip
+        _split_kv_kernel[(m_blocks, 1, b)](
+            q, kv_cache, cache_seqlens, vis, bt, part, plse,
+            t, h, rows, num_splits, qk_scale, page_size,
+            q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), svb, svi,
+            part.stride(0), part.stride(1), plse.stride(0), plse.stride(1), TAIL_UNIT=fast.BLOCK_N, **common,
         )  # fmt: skip
+        _merge(part, plse, out, lse, rows, num_splits + 1, d_v)
+        return out, lse
+    if num_splits is None:
+        num_splits = pick_num_splits(b, m_blocks, max_seqlen or capacity, cfg, d_v, d, slots)
+    if num_splits == 1:
+        part, plse, sob, sos, slb, sls = out, lse, rows * d_v, 0, rows, 0
+    else:
+        part = torch.empty(b, num_splits, rows, d_v, dtype=torch.float32, device=q.device)
+        plse = torch.empty(b, num_splits, rows, dtype=torch.float32, device=q.device)
+        sob, sos, slb, sls = part.stride(0), part.stride(1), plse.stride(0), plse.stride(1)
+    _split_kv_kernel[(m_blocks, num_splits, b)](
+        q, kv_cache, cache_seqlens, vis, bt, part, plse,
+        t, h, rows, num_splits, qk_scale, page_size,
+        q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), svb, svi, sob, sos, slb, sls,
+        **common,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge(part, plse, out, lse, rows, num_splits, d_v)
     return out, lse
+
+
+def _merge(part, plse, out, lse, rows, splits, d_v):
+    block_r = 16
+    _merge_kernel[(triton.cdiv(rows, block_r), part.shape[0])](
+        part, plse, out, lse, rows, splits, part.stride(0), part.stride(1), plse.stride(0),
+        plse.stride(1), D_C=d_v, BLOCK_DC=triton.next_power_of_2(d_v), BLOCK_R=block_r, num_warps=4,
+    )  # fmt: skip

@@ -1,0 +1,219 @@
+"""Hopper (sm_90) fast path of the tree-verify MLA attention: the unmasked prefix in Gluon.
+
+Why a second kernel: in Triton, a 64-row block with 8 warps makes both warpgroups compute the same
+score tile (a chained dot gets warps [8, 1]), 1.53x the useful tensor work (docs/attention.md). Gluon
+lets us pick the layouts: one program = 64 query rows (row = node * h + head) x one KV split, two
+warpgroups; the score tile S = Q K^T [64, BLOCK_N] is split by columns between the warpgroups
+(warps [4, 2]), P goes through shared memory, and O [64, d_c] is split by columns too (each
+warpgroup owns 64 x d_c/2 fp32 accumulators). Every tensor-core product is done once.
+
+This kernel covers only the whole BLOCK_N tiles that lie inside the prefix (no mask at all: every
+prefix slot is visible to every tree node). The rest of each request (the last partial prefix tile
+plus the t tree slots, with the tree mask) runs through the Triton kernel as one more split, and
+the splits are merged by log-sum-exp (kernels/mla_attention.py). Compiled only on CUDA devices of
+compute capability 9.x; the Triton kernel stays the reference fast path on other GPUs and in CI.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 8
+SHAPES = ((512, 64),)  # (d_c, d_r) this kernel is built and tested for
+
+
+@gluon.jit
+def _tile_offsets(b, pos, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED: gl.constexpr):
+    """int64 element offsets of cache rows `pos` of request b (contiguous or paged cache); multiples of 8
+    (16 bytes), which `applies` checks on the strides, so cp.async moves 16-byte vectors."""
+    if PAGED:
+        page = gl.load(bt_ptr + b * stride_btb + pos // page_size).to(gl.int64)
+        off = page * stride_kb + (pos % page_size).to(gl.int64) * stride_ks
+    else:
+        off = b.to(gl.int64) * stride_kb + pos.to(gl.int64) * stride_ks
+    return gl.multiple_of(off, 8)
+
+
+@gluon.jit
+def _issue_tile(kc_buf, kr_buf, kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok,
+                D_C: gl.constexpr, D_R: gl.constexpr, BN: gl.constexpr, PAGED: gl.constexpr,
+                LD_C: gl.constexpr, LD_R: gl.constexpr):  # fmt: skip
+    """Starts the async copy of cache rows first .. first + BN into (kc_buf, kr_buf); one commit group."""
+    pos_c = first + gl.arange(0, BN, gl.SliceLayout(1, LD_C))
+    off_c = _tile_offsets(b, pos_c, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
+    cols_c = gl.arange(0, D_C, gl.SliceLayout(0, LD_C))
+    mask_c = ((pos_c >= 0) & ok)[:, None]  # per row, so the 16-byte vectors stay whole
+    cp.async_copy_global_to_shared(kc_buf, kv_ptr + off_c[:, None] + cols_c[None, :], mask=mask_c)
+    pos_r = first + gl.arange(0, BN, gl.SliceLayout(1, LD_R))
+    off_r = _tile_offsets(b, pos_r, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
+    cols_r = D_C + gl.arange(0, D_R, gl.SliceLayout(0, LD_R))
+    mask_r = ((pos_r >= 0) & ok)[:, None]
+    cp.async_copy_global_to_shared(kr_buf, kv_ptr + off_r[:, None] + cols_r[None, :], mask=mask_r)
+    cp.commit_group()
+
+
+@gluon.jit
+def _prefix_kernel(
+    q_ptr,  # [b, M, D_C + D_R] (M = t * h rows, row = node * h + head)
+    kv_ptr,
+    seqlens_ptr,
+    bt_ptr,
+    part_ptr,  # [b, splits + 1, M, D_C] float32
+    plse_ptr,  # [b, splits + 1, M] float32
+    T,
+    M,
+    num_splits,
+    qk_scale,  # softmax scale * log2(e)
+    page_size,
+    stride_qb,
+    stride_kb,
+    stride_ks,
+    stride_btb,
+    stride_pb,
+    stride_ps,
+    stride_lb,
+    stride_ls,
+    D_C: gl.constexpr,
+    D_R: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    PAGED: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    pid_m = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    D: gl.constexpr = D_C + D_R
+
+    # Whole tiles inside the prefix, cut into num_splits runs of consecutive tiles.
+    seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
+    n_full = (seqlen - T) // BN
+    per = gl.cdiv(n_full, num_splits)
+    t_lo = split * per
+    n_tiles = gl.maximum(gl.minimum(n_full - t_lo, per), 0)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_C // 2, 16]
+    )
+    ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D_R, D_R // 8], [num_warps, 1], [1, 0])
+    qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_C], dtype)
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_R], dtype)
+    kc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_C], dtype)
+    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_R], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+
+    # Query rows of this block, staged in shared memory once.
+    rows_c = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_c))
+    q_base = q_ptr + b.to(gl.int64) * stride_qb + rows_c.to(gl.int64)[:, None] * D
+    cols_c = gl.arange(0, D_C, gl.SliceLayout(0, ld_c))
+    q_c = gl.load(q_base + cols_c[None, :], mask=(rows_c < M)[:, None] & (cols_c >= 0)[None, :], other=0.0)
+    rows_r = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_r))
+    cols_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
+    q_r = gl.load(
+        q_ptr + b.to(gl.int64) * stride_qb + rows_r.to(gl.int64)[:, None] * D + D_C + cols_r[None, :],
+        mask=(rows_r < M)[:, None] & (cols_r >= 0)[None, :],
+        other=0.0,
+    )
+    qc_smem = gl.allocate_shared_memory(dtype, [BM, D_C], qc_sl, q_c)
+    qr_smem = gl.allocate_shared_memory(dtype, [BM, D_R], qr_sl, q_r)
+    kc_smem = gl.allocate_shared_memory(dtype, [2, BN, D_C], kc_sl)
+    kr_smem = gl.allocate_shared_memory(dtype, [2, BN, D_R], kr_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], p_sl)
+
+    acc = gl.zeros([BM, D_C], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
+
+    _issue_tile(kc_smem.index(0), kr_smem.index(0), kv_ptr, b, t_lo * BN, bt_ptr, stride_btb, stride_kb,
+                stride_ks, page_size, n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+    for i in range(n_tiles):
+        stage = i % 2
+        nxt = (i + 1) % 2
+        # Prefetch the next tile into the other buffer (its last reader finished: barrier below).
+        first = (t_lo + i + 1) * BN
+        _issue_tile(kc_smem.index(nxt), kr_smem.index(nxt), kv_ptr, b, first, bt_ptr, stride_btb, stride_kb,
+                    stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+        cp.wait_group(1)
+        fence_async_shared()
+        gl.thread_barrier()
+        kc = kc_smem.index(stage)
+        s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = s * qk_scale
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()  # p_smem and this stage are written again next iteration
+    cp.wait_group(0)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    seen = l_o > 0
+    out = acc / gl.where(seen, l_o, 1.0)[:, None]
+    rows_o = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, D_C, gl.SliceLayout(0, o_layout))
+    o_ptrs = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    o_ptrs = o_ptrs + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
+    gl.store(o_ptrs, out, mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
+    seen_s = l_i > 0
+    lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    rows_s = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+    gl.store(plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + rows_s, lse, mask=rows_s < M)
+
+
+@functools.lru_cache(maxsize=16)
+def supported_device(device_index: int) -> bool:
+    """True on CUDA devices of compute capability 9.x (wgmma); the Gluon kernel is built for sm_90a."""
+    if device_index < 0 or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def applies(q: torch.Tensor, d_v: int, rows: int) -> bool:
+    """Whether the sm_90 prefix kernel serves this call: bf16/fp16 on Hopper, d_c + d_r in SHAPES, and
+    enough query rows per request to fill a 64-row tile (decode with few heads keeps the Triton kernel)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda:
+        return False
+    return (d_v, q.shape[-1] - d_v) in SHAPES and rows > 16 and supported_device(q.get_device())
+
+
+def launch_prefix(
+    q, kv_cache, cache_seqlens, bt, part, plse, t, rows, num_splits, qk_scale, paged, page_size
+):
+    """Runs the prefix kernel into splits 0 .. num_splits - 1 of (part, plse)."""
+    b, d = q.shape[0], q.shape[-1]
+    d_c = part.shape[-1]
+    grid = (-(-rows // BLOCK_M), num_splits, b)
+    _prefix_kernel[grid](
+        q, kv_cache, cache_seqlens, bt, part, plse,
+        t, rows, num_splits, qk_scale, page_size,
+        q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
+        part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
+        D_C=d_c, D_R=d - d_c, BM=BLOCK_M, BN=BLOCK_N, PAGED=paged, num_warps=NUM_WARPS,
+    )  # fmt: skip
