@@ -144,19 +144,19 @@ def _prefix_kernel(
 
     _issue_tile(kc_smem.index(0), kr_smem.index(0), kv_ptr, b, t_lo * BN, bt_ptr, stride_btb, stride_kb,
                 stride_ks, page_size, n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
     for i in range(n_tiles):
-        stage = i % 2
-        nxt = (i + 1) % 2
-        # Prefetch the next tile into the other buffer (its last reader finished: barrier below).
+        # Entering: tile i is in buffer i % 2 and visible to every warp; buffer (i + 1) % 2 is free.
+        # Start copying the next tile into the free buffer; it has until the end of this iteration.
         first = (t_lo + i + 1) * BN
-        _issue_tile(kc_smem.index(nxt), kr_smem.index(nxt), kv_ptr, b, first, bt_ptr, stride_btb, stride_kb,
-                    stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
-        cp.wait_group(1)
-        fence_async_shared()
-        gl.thread_barrier()
-        kc = kc_smem.index(stage)
+        _issue_tile(kc_smem.index((i + 1) % 2), kr_smem.index((i + 1) % 2), kv_ptr, b, first, bt_ptr,
+                    stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED,
+                    ld_c, ld_r)  # fmt: skip
+        kc = kc_smem.index(i % 2)
         s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_smem, kr_smem.index(stage).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(qr_smem, kr_smem.index(i % 2).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * qk_scale
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -170,7 +170,9 @@ def _prefix_kernel(
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()  # p_smem and this stage are written again next iteration
+        cp.wait_group(0)  # this thread's part of tile i + 1 landed
+        fence_async_shared()
+        gl.thread_barrier()  # every warp: done with p_smem and buffer i % 2; tile i + 1 visible
     cp.wait_group(0)
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
