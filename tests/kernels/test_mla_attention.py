@@ -16,7 +16,7 @@ from kdtree_engine.attention import tree_mla_attention
 from kdtree_engine.kernels import mla_attention as kernels
 from kdtree_engine.ref import mla_attention as ref
 
-TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-3)}  # (out, lse)
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-3), torch.float16: (2e-2, 2e-3)}  # (out, lse)
 
 
 def make_tree(kind: str, t: int, gen: torch.Generator) -> torch.Tensor:
@@ -261,6 +261,33 @@ def test_gpu_split_counts(device, splits):
         seed=splits,
         num_splits=splits,
     )
+
+
+# The sm_90 Gluon prefix kernel (kernels/mla_attention_sm90.py) serves bf16/fp16 with t*h > 16 on
+# Hopper under backend="auto"; the sweeps above run it there. These pin each backend explicitly.
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sm90", "triton"])
+@pytest.mark.parametrize("page", [None, 1, 16, 64])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_gpu_backends(device, backend, page, splits):
+    from kdtree_engine.kernels import mla_attention_sm90 as sm90
+
+    if backend == "sm90" and not sm90.supported_device(torch.device(device).index or 0):
+        pytest.skip("sm90 backend needs a compute capability 9.x GPU")
+    # prefixes around the 64-slot tile edge and a long one; fp16 on one case
+    dtype = torch.float16 if page == 16 else torch.bfloat16
+    check(device, 5, 17, 16, 512, 64, [0, 63, 64, 129, 3000], dtype, page, "random", seed=7,
+          num_splits=splits, backend=backend)  # fmt: skip
+
+
+def test_backend_argument_is_checked(device):
+    gen = torch.Generator().manual_seed(0)
+    q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
+    args = [x.to(device) for x in (q, kv, lengths, vis)]
+    with pytest.raises(ValueError, match="^backend:"):
+        kernels.tree_mla_attention(*args, 0.1, 32, backend="cuda")
+    with pytest.raises(ValueError, match="^backend:"):  # float32 and d = 32 + 8: not the sm90 shapes
+        kernels.tree_mla_attention(*args, 0.1, 32, backend="sm90")
 
 
 def test_float64_runs_the_reference_and_refuses_the_kernel():
