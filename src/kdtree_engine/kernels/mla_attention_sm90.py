@@ -149,14 +149,15 @@ def _prefix_kernel(
     gl.thread_barrier()
     for i in range(n_tiles):
         # Entering: tile i is in buffer i % 2 and visible to every warp; buffer (i + 1) % 2 is free.
-        # Start copying the next tile into the free buffer; it has until the end of this iteration.
+        kc = kc_smem.index(i % 2)
+        s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qr_smem, kr_smem.index(i % 2).permute((1, 0)), s, is_async=True)
+        # While the tensor cores compute S, start copying the next tile into the free buffer; it has
+        # until the end of this iteration.
         first = (t_lo + i + 1) * BN
         _issue_tile(kc_smem.index((i + 1) % 2), kr_smem.index((i + 1) % 2), kv_ptr, b, first, bt_ptr,
                     stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED,
                     ld_c, ld_r)  # fmt: skip
-        kc = kc_smem.index(i % 2)
-        s = warpgroup_mma(qc_smem, kc.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qr_smem, kr_smem.index(i % 2).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * qk_scale
         m_new = gl.maximum(m_i, gl.max(s, 1))
