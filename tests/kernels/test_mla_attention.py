@@ -266,13 +266,13 @@ def test_gpu_split_counts(device, splits):
 # The sm_90 Gluon prefix kernel (kernels/mla_attention_sm90.py) serves bf16/fp16 with t*h > 16 on
 # Hopper under backend="auto"; the sweeps above run it there. These pin each backend explicitly.
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sm90", "triton"])
+@pytest.mark.parametrize("backend", ["sm90-double", "sm90-wide", "triton"])
 @pytest.mark.parametrize("page", [None, 1, 16, 64])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 def test_gpu_backends(device, backend, page, splits):
     from kdtree_engine.kernels import mla_attention_sm90 as sm90
 
-    if backend == "sm90" and not sm90.supported_device(torch.device(device).index or 0):
+    if backend.startswith("sm90") and not sm90.supported_device(torch.device(device).index or 0):
         pytest.skip("sm90 backend needs a compute capability 9.x GPU")
     # prefixes around the 64-slot tile edge and a long one; fp16 on one case
     dtype = torch.float16 if page == 16 else torch.bfloat16

@@ -171,9 +171,9 @@ def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
         found.append({"config": list(cand), "splits": splits, "us": round(us, 2)})
     p = problems[0]
     if kernels._sm90_ok(p["q"], p["kv"], D_C, p["q"].shape[1] * p["q"].shape[2]):
-        for splits in (1, 2, 4, 8, 16, 32):
-            us = graph_us([ours(p, None, splits, "sm90") for p in problems], max(20, rep // 4))
-            found.append({"config": "sm90", "splits": splits, "us": round(us, 2)})
+        for variant, splits in itertools.product(("sm90-double", "sm90-wide"), (None, 1, 2, 4, 8, 16)):
+            us = graph_us([ours(p, None, splits, variant) for p in problems], max(20, rep // 4))
+            found.append({"config": variant, "splits": splits, "us": round(us, 2)})
     ranked = sorted((v for v in found if "us" in v), key=lambda v: v["us"])
     print(f"    default {default_us:.1f} us; best: {ranked[:4]}", flush=True)
     return found

@@ -353,7 +353,7 @@ def _mask_args(visibility, ancestor_bits, causal, dummy):
     return MASK_VISIBILITY, vis, vis.stride(0), vis.stride(1)
 
 
-BACKENDS = ("auto", "triton", "sm90")
+BACKENDS = ("auto", "triton", "sm90", "sm90-double", "sm90-wide")
 
 
 def _sm90_ok(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, rows: int) -> bool:
@@ -387,7 +387,8 @@ def tree_mla_attention(
     max_seqlen (a bound on cache_seqlens, else the capacity) only steers the split count.
     backend: "triton" (this module's kernel for everything), "sm90" (the Gluon prefix kernel of
     mla_attention_sm90 for the whole prefix tiles, this module's kernel for the rest; Hopper, bf16/fp16,
-    d = 512 + 64, t*h > 16 only) or "auto" (sm90 where it applies and no config is forced)."""
+    d = 512 + 64, t*h > 16 only; "sm90-double" / "sm90-wide" pick its variant) or "auto" (sm90 where it
+    applies and no config is forced)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     b, t, h, d = q.shape
@@ -397,9 +398,10 @@ def tree_mla_attention(
         kv_cache = kv_cache.contiguous()
     paged = block_table is not None
     capacity = block_table.shape[1] * kv_cache.shape[1] if paged else kv_cache.shape[1]
-    sm90 = backend == "sm90" or (backend == "auto" and config is None)
+    sm90 = backend.startswith("sm90") or (backend == "auto" and config is None)
     sm90 = sm90 and _sm90_ok(q, kv_cache, d_v, rows)
-    if backend == "sm90" and not sm90:
+    variant = backend[5:] if backend.startswith("sm90-") else None
+    if backend.startswith("sm90") and not sm90:
         raise ValueError(
             "backend: 'sm90' needs a compute capability 9.x GPU, bf16/fp16, d = 512 + 64, t*h > 16"
         )
@@ -423,18 +425,19 @@ def tree_mla_attention(
         from . import mla_attention_sm90 as fast
 
         if num_splits is None:
-            sm90_cfg = Config(block_m=fast.BLOCK_M, block_n=fast.BLOCK_N, num_warps=fast.NUM_WARPS)
+            sm90_cfg = Config(block_m=fast.BLOCK_M, block_n=fast.tile_rows(variant), num_warps=8)
             m90 = triton.cdiv(rows, fast.BLOCK_M)
             num_splits = pick_num_splits(b, m90, max_seqlen or capacity, sm90_cfg, d_v, d, slots)
         part = torch.empty(b, num_splits + 1, rows, d_v, dtype=torch.float32, device=q.device)
         plse = torch.empty(b, num_splits + 1, rows, dtype=torch.float32, device=q.device)
         fast.launch_prefix(q, kv_cache, cache_seqlens, bt, part, plse, t, rows, num_splits, qk_scale, paged,
-                           page_size)  # fmt: skip
+                           page_size, variant)  # fmt: skip
         _split_kv_kernel[(m_blocks, 1, b)](
             q, kv_cache, cache_seqlens, vis, bt, part, plse,
             t, h, rows, num_splits, qk_scale, page_size,
             q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), svb, svi,
-            part.stride(0), part.stride(1), plse.stride(0), plse.stride(1), TAIL_UNIT=fast.BLOCK_N, **common,
+            part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
+            TAIL_UNIT=fast.tile_rows(variant), **common,
         )  # fmt: skip
         _merge(part, plse, out, lse, rows, num_splits + 1, d_v)
         return out, lse

@@ -29,8 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 BLOCK_M = 64
-BLOCK_N = 64
-NUM_WARPS = 8
+NUM_WARPS = 8  # two warpgroups
 SHAPES = ((512, 64),)  # (d_c, d_r) this kernel is built and tested for
 
 
@@ -190,6 +189,144 @@ def _prefix_kernel(
     gl.store(plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + rows_s, lse, mask=rows_s < M)
 
 
+@gluon.jit
+def _prefetch_l2(kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok, D: gl.constexpr,
+                 BN: gl.constexpr, PAGED: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """Asks the L2 for cache rows first .. first + BN (every 128-byte line), without waiting."""
+    LINES: gl.constexpr = 16  # >= ceil(D * 2 / 128); the extra ones repeat the last line
+    lay: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
+    pos = first + gl.arange(0, BN, gl.SliceLayout(1, lay))
+    pos = gl.where(ok, pos, first)  # past the run: prefetch this tile again (harmless)
+    off = _tile_offsets(b, pos, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
+    line = gl.minimum(gl.arange(0, LINES, gl.SliceLayout(0, lay)), (D * 2 - 1) // 128)
+    ptrs = kv_ptr + off[:, None] + (line * 64)[None, :]
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
+                              is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _prefix_wide_kernel(
+    q_ptr,
+    kv_ptr,
+    seqlens_ptr,
+    bt_ptr,
+    part_ptr,
+    plse_ptr,
+    T,
+    M,
+    num_splits,
+    qk_scale,
+    page_size,
+    stride_qb,
+    stride_kb,
+    stride_ks,
+    stride_btb,
+    stride_pb,
+    stride_ps,
+    stride_lb,
+    stride_ls,
+    D_C: gl.constexpr,
+    D_R: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    PAGED: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The "wide" variant of _prefix_kernel: BN = 128 cache rows per tile in one buffer, so each
+    warpgroup's share of S is 64 x 64 (wgmma n = 64 reads Q from shared memory half as often per flop
+    as n = 32), the rope part of Q sits in registers, and the next tile is prefetched into the L2 while
+    this one is computed (one buffer: its copy starts when this tile's P V is done)."""
+    pid_m = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    D: gl.constexpr = D_C + D_R
+
+    seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
+    n_full = (seqlen - T) // BN
+    per = gl.cdiv(n_full, num_splits)
+    t_lo = split * per
+    n_tiles = gl.maximum(gl.minimum(n_full - t_lo, per), 0)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_C // 2, 16]
+    )
+    qr_reg: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D_R, D_R // 8], [num_warps, 1], [1, 0])
+    qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_C], dtype)
+    kc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_C], dtype)
+    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_R], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+
+    rows_c = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_c))
+    cols_c = gl.arange(0, D_C, gl.SliceLayout(0, ld_c))
+    q_base = q_ptr + b.to(gl.int64) * stride_qb + rows_c.to(gl.int64)[:, None] * D
+    q_c = gl.load(q_base + cols_c[None, :], mask=(rows_c < M)[:, None] & (cols_c >= 0)[None, :], other=0.0)
+    rows_r = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_r))
+    cols_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
+    q_r = gl.load(
+        q_ptr + b.to(gl.int64) * stride_qb + rows_r.to(gl.int64)[:, None] * D + D_C + cols_r[None, :],
+        mask=(rows_r < M)[:, None] & (cols_r >= 0)[None, :],
+        other=0.0,
+    )
+    q_r = gl.convert_layout(q_r, qr_reg)
+    qc_smem = gl.allocate_shared_memory(dtype, [BM, D_C], qc_sl, q_c)
+    kc_smem = gl.allocate_shared_memory(dtype, [BN, D_C], kc_sl)
+    kr_smem = gl.allocate_shared_memory(dtype, [BN, D_R], kr_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], p_sl)
+
+    acc = gl.zeros([BM, D_C], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+    s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
+
+    _issue_tile(kc_smem, kr_smem, kv_ptr, b, t_lo * BN, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
+                n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+    for i in range(n_tiles):
+        cp.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()  # tile i visible to every warp
+        s = warpgroup_mma(q_r, kr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qc_smem, kc_smem.permute((1, 0)), s, is_async=True)
+        first = (t_lo + i + 1) * BN
+        _prefetch_l2(kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles,
+                     D, BN, PAGED, num_warps)  # fmt: skip
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = s * qk_scale
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        gl.thread_barrier()  # every warp is done with the tile and p_smem
+        _issue_tile(kc_smem, kr_smem, kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
+                    i + 1 < n_tiles, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+    cp.wait_group(0)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    seen = l_o > 0
+    out = acc / gl.where(seen, l_o, 1.0)[:, None]
+    rows_o = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, D_C, gl.SliceLayout(0, o_layout))
+    o_ptrs = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    o_ptrs = o_ptrs + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
+    gl.store(o_ptrs, out, mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
+    seen_s = l_i > 0
+    lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    rows_s = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+    gl.store(plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + rows_s, lse, mask=rows_s < M)
+
+
 @functools.lru_cache(maxsize=16)
 def supported_device(device_index: int) -> bool:
     """True on CUDA devices of compute capability 9.x (wgmma); the Gluon kernel is built for sm_90a."""
@@ -206,17 +343,28 @@ def applies(q: torch.Tensor, d_v: int, rows: int) -> bool:
     return (d_v, q.shape[-1] - d_v) in SHAPES and rows > 16 and supported_device(q.get_device())
 
 
+# name -> (kernel, cache rows per tile); "double": 64-row tiles, two buffers (the next tile's copy
+# overlaps this one); "wide": 128-row tiles, one buffer, L2 prefetch of the next tile.
+VARIANTS = {"double": (_prefix_kernel, 64), "wide": (_prefix_wide_kernel, 128)}
+DEFAULT_VARIANT = "wide"
+
+
+def tile_rows(variant: str | None = None) -> int:
+    return VARIANTS[variant or DEFAULT_VARIANT][1]
+
+
 def launch_prefix(
-    q, kv_cache, cache_seqlens, bt, part, plse, t, rows, num_splits, qk_scale, paged, page_size
+    q, kv_cache, cache_seqlens, bt, part, plse, t, rows, num_splits, qk_scale, paged, page_size, variant=None
 ):
     """Runs the prefix kernel into splits 0 .. num_splits - 1 of (part, plse)."""
+    kernel, block_n = VARIANTS[variant or DEFAULT_VARIANT]
     b, d = q.shape[0], q.shape[-1]
     d_c = part.shape[-1]
     grid = (-(-rows // BLOCK_M), num_splits, b)
-    _prefix_kernel[grid](
+    kernel[grid](
         q, kv_cache, cache_seqlens, bt, part, plse,
         t, rows, num_splits, qk_scale, page_size,
         q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0),
         part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
-        D_C=d_c, D_R=d - d_c, BM=BLOCK_M, BN=BLOCK_N, PAGED=paged, num_warps=NUM_WARPS,
+        D_C=d_c, D_R=d - d_c, BM=BLOCK_M, BN=block_n, PAGED=paged, num_warps=NUM_WARPS,
     )  # fmt: skip
