@@ -56,6 +56,12 @@ CPU_CASES = [  # (b, depth, vocab, k, kind, knobs)
     (1, 3, 1000, 8, "bf16", {"variant": "compact", "max_compact": 16}),  # too many ties for KC
     (1, 2, 300, 8, "flat", {"variant": "compact"}),
     (1, 1, 100, 60, "signed_zero", {"variant": "compact"}),
+    # default "thresh" select: several chunks, super groups and group-max tiles; V not a multiple of them
+    (1, 2, 5000, 16, "bf16", {"chunk": 1024, "super_group": 128}),
+    (1, 2, 2000, 8, "half", {}),  # fp16: keys shifted by 13
+    (1, 1, 64, 64, "bf16", {}),  # k = V with ties, k > number of super groups
+    (1, 3, 3000, 16, "bf16", {"max_compact": 16}),  # more logits >= T0 than KC: bisection path
+    (1, 2, 1000, 8, "smooth", {"super_group": 8, "select_warps": 2, "partial_warps": 2}),  # S = G
 ]
 
 
@@ -104,12 +110,13 @@ def test_topk_slow_path_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bf16", "smooth", "flat"])
-def test_topk_compact_variant_gpu(kind):
-    """The experimental "compact" top-k variant at the Kimi vocab (B = 64, L = 15)."""
+def test_topk_variants_gpu(kind):
+    """The "compact" and "thresh" top-k variants at the Kimi vocab (B = 64, L = 15)."""
     x = make_logits(7, 64, 15, 163840, kind).bfloat16()
     want = ref.logits_to_topk(x, 64)
     for budget in (8, 32, 64):
-        check_topk(x, budget, torch.device("cuda"), want, variant="compact")
+        for variant in ("compact", "thresh"):
+            check_topk(x, budget, torch.device("cuda"), want, variant=variant)
 
 
 def test_unknown_variant_is_a_value_error():

@@ -1,18 +1,18 @@
 """Vocab-wide top-k and log-softmax normalizer on the GPU (twin of ref.tree.logits_to_topk).
 
 Two launches, the logits read once in full:
-1. grid (rows, chunks): per chunk the max and the sum of exp (for logsumexp) and the max of every
-   group of G consecutive logits.
-2. grid (rows,): the row's logsumexp from the chunk partials; T = the k-th largest group max. Each of
-   the k best groups holds a logit >= T, so the k-th largest logit is >= T: every top-k logit is
-   >= T and sits in a group whose max is >= T (the candidate groups, usually about k of them).
-   Fast path: the candidate groups fit in MAXG groups; their logits are loaded again (a few KB per
-   row), packed as int64 keys `ordered(value) << 32 | (2^32 - 1 - id)`, which are distinct and order
-   by value, then by smaller id, and sorted in registers. Slow path (ties spread over more groups than
-   MAXG, e.g. constant logits): the k-th key is found by bisection over the candidate groups (value
-   bits, then id), then the k winners are collected and sorted. The experimental "compact" variant
-   (`_select_compact_kernel`, opt-in) sorts only the logits >= T and bisects bf16 keys in 17 steps;
-   same output.
+1. grid (rows, chunks): per chunk the max and the sum of exp (for logsumexp), the max of every group
+   of G consecutive logits and (default "thresh" select) of every super group of S logits.
+2. grid (rows,): the row's logsumexp from the chunk partials, then the select. Default, "thresh"
+   (_select_thresh_kernel): T0 = the k-th largest super-group max, a lower bound of the k-th largest
+   logit found by a short bisection over V / S values; the groups whose max is >= T0 are listed in one
+   pass over the group maxima, and their logits >= T0 (about k) are compacted as int64 keys
+   `ordered(value) << 32 | (2^32 - 1 - id)`, which are distinct and order by value, then by smaller
+   id, and sorted in registers. Heavy ties (more than MAXG groups or KC logits) take the bisection
+   path (_slow_select: the k-th key by bisection over the candidate groups, value bits then id; then
+   the k winners are collected and sorted). Earlier selects, same output: "compact"
+   (_select_compact_kernel: T = the k-th largest group max by bisection over all NG group maxima) and
+   "sort" (_select_kernel: sorts every logit of the candidate groups).
 Output: (top_logprobs [B, L, k] float32 = logit - logsumexp, top_ids [B, L, k] int64), ids and their
 order exactly those of ref.tree.topk_stable; the logsumexp is a float32 sum in another order than
 torch's, so log-probs agree to float32 rounding.
@@ -21,6 +21,7 @@ torch's, so log-probs agree to float32 rounding.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 import triton
@@ -49,6 +50,27 @@ def _partials_kernel(x_ptr, gmax_ptr, part_ptr, V, NG, NCH, CH: tl.constexpr, G:
     tl.store(gmax_ptr + row * NG + groups, gmax, mask=groups < NG)
     m = tl.max(x, axis=0)
     s = tl.sum(tl.exp(x - m), axis=0)
+    tl.store(part_ptr + (row * NCH + c) * 2, m)
+    tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
+
+
+@triton.jit
+def _partials2_kernel(x_ptr, gmax_ptr, smax_ptr, part_ptr, V, NG, NS, NCH,
+                      CH: tl.constexpr, G: tl.constexpr, S: tl.constexpr):  # fmt: skip
+    """_partials_kernel plus the max of every super group of S logits (S a multiple of G dividing CH);
+    the chunk is loaded as a [CH // G, G] tile (16-byte loads for bf16 when V is a multiple of 8)."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]  # [CH // G, G]
+    x = tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    gmax = tl.max(x, axis=1)  # [CH // G]
+    groups = c * (CH // G) + tl.arange(0, CH // G)
+    tl.store(gmax_ptr + row * NG + groups, gmax, mask=groups < NG)
+    smax = tl.max(tl.reshape(gmax, [CH // S, S // G]), axis=1)
+    sup = c * (CH // S) + tl.arange(0, CH // S)
+    tl.store(smax_ptr + row * NS + sup, smax, mask=sup < NS)
+    m = tl.max(gmax, axis=0)
+    s = tl.sum(tl.sum(tl.exp(x - m), axis=1), axis=0)
     tl.store(part_ptr + (row * NCH + c) * 2, m)
     tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
 
@@ -246,7 +268,106 @@ def _select_compact_kernel(
         _slow_select(x_ptr, glist, keys_ptr + row * KS, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
 
 
-VARIANTS = ("sort", "compact")
+@triton.jit
+def _ordered32(x):
+    """float32 -> int32 key with the same order (_ordered without the widening)."""
+    x = tl.where(x == 0.0, 0.0, x)
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _emit_packed(top, rank, k, lse, lp_out, ids_out, row):
+    """Writes the first k of the sorted packed keys `top` as (logit - lse, id); the logit is decoded
+    from the key (the map is an involution), so no logits are read again."""
+    keep = rank < k
+    ids = LOW32 - (top & LOW32)
+    key = (top >> 32).to(tl.int32)
+    vals = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    tl.store(ids_out + row * k + rank, ids, mask=keep)
+    tl.store(lp_out + row * k + rank, vals - lse, mask=keep)
+
+
+@triton.jit
+def _select_thresh_kernel(
+    x_ptr,  # [R, V] logits
+    gmax_ptr,  # [R, NG] float32
+    smax_ptr,  # [R, NS] float32
+    part_ptr,  # [R, NCH, 2] float32
+    glist_ptr,  # [R, NGP] int32 scratch
+    keys_ptr,  # [R, KS] int64 scratch
+    lp_out,  # [R, k] float32
+    ids_out,  # [R, k] int64
+    V,
+    NG,
+    NS,
+    NCH,
+    k,
+    G: tl.constexpr,
+    NGP: tl.constexpr,
+    NSP: tl.constexpr,
+    NCHP: tl.constexpr,
+    MAXG: tl.constexpr,
+    KP: tl.constexpr,
+    KC: tl.constexpr,
+    KS: tl.constexpr,
+    TG: tl.constexpr,
+    TGM: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """The "thresh" select (same output as _select_kernel). T0 = the k-th largest super-group max (NS of
+    them, S logits each) is a lower bound of the k-th largest logit (the k best super groups each hold
+    a logit >= T0), found by a short bisection over NS values, not over the NG group maxima. Every
+    top-k logit is >= T0 and sits in a group whose max is >= T0: one pass over the group maxima in
+    TGM-wide tiles lists those groups (about k for smooth logits); their logits >= T0 are compacted as
+    int64 keys (<= KC) and sorted. More than MAXG groups or KC logits (heavy ties) -> bisection path."""
+    row = tl.program_id(0).to(tl.int64)
+    lse = _lse(part_ptr, row, NCH, NCHP)
+    sidx = tl.arange(0, NSP)
+    skey = _ordered32(tl.load(smax_ptr + row * NS + sidx, mask=sidx < NS, other=float("-inf")))
+    lo_key: tl.constexpr = -(1 << 31)
+    hi_key: tl.constexpr = (1 << 31) - 1
+    top = _kth_largest(skey >> SHIFT, sidx < NS, k, lo_key >> SHIFT, hi_key >> SHIFT, 33 - SHIFT)
+    thr = tl.where(k > NS, lo_key, top << SHIFT).to(tl.int32)
+
+    glist = glist_ptr + row * NGP
+    ncg = tl.zeros([], tl.int32)
+    for t0 in range(0, NGP, TGM):  # constant trip count; tiles past NG are skipped
+        if t0 < NG:
+            g = t0 + tl.arange(0, TGM)
+            cand = (g < NG) & (_ordered32(tl.load(gmax_ptr + row * NG + g, mask=g < NG, other=0.0)) >= thr)
+            tl.store(glist + ncg + tl.cumsum(cand.to(tl.int32), axis=0) - 1, g, mask=cand)
+            ncg += tl.sum(cand.to(tl.int32), axis=0)
+    tl.debug_barrier()
+
+    done = tl.zeros([], tl.int32)
+    keys_row = keys_ptr + row * KS
+    if ncg <= MAXG:
+        nsel = tl.zeros([], tl.int32)
+        for t0 in range(0, MAXG, TG):
+            if t0 < ncg:
+                j = t0 + tl.arange(0, TG)
+                grp = tl.load(glist + j, mask=j < ncg, other=0)
+                idx = grp[:, None] * G + tl.arange(0, G)[None, :]  # [TG, G]
+                ok = (j < ncg)[:, None] & (idx < V)
+                key = _ordered32(tl.load(x_ptr + row * V + idx, mask=ok, other=0.0).to(tl.float32))
+                sel = tl.reshape(ok & (key >= thr), [TG * G])
+                pos = nsel + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                ids = tl.reshape(idx, [TG * G]).to(tl.int64)
+                packed = (tl.reshape(key, [TG * G]).to(tl.int64) << 32) + (LOW32 - ids)
+                tl.store(keys_row + pos, packed, mask=sel & (pos < KC))
+                nsel += tl.sum(sel.to(tl.int32), axis=0)
+        if nsel <= KC:
+            tl.debug_barrier()
+            few = tl.arange(0, KC)
+            small = tl.sort(tl.load(keys_row + few, mask=few < nsel, other=NONE), descending=True)
+            _emit_packed(small, few, k, lse, lp_out, ids_out, row)
+            done += 1
+    if done == 0:
+        _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
+
+
+VARIANTS = ("thresh", "compact", "sort")
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}  # float32 bits that are always zero
 
 
@@ -256,22 +377,40 @@ def logits_topk(
     *,
     group: int | None = None,
     max_groups: int | None = None,
-    variant: str = "compact",
+    variant: str = "thresh",
     max_compact: int | None = None,
+    chunk: int | None = None,
+    super_group: int | None = None,
+    partial_warps: int = 4,
+    select_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, L, V] float (validated, V >= 1), 1 <= k <= V ->
     (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
 
-    variant: "compact" (default: sorts only the logits that pass the threshold, see
-    _select_compact_kernel; 217 us vs 440 us for "sort" at B=64, L=15, V=163840, k=32 on the H200,
-    2026-12-02) or "sort" (sorts every logit of the candidate groups); same output. group (G),
-    max_groups (MAXG, the register path's capacity in groups) and max_compact (KC, the compact path's
-    capacity in logits) are tuning knobs; tests shrink them to reach the fallbacks at small shapes.
-    Under the Triton interpreter (CPU) the defaults are smaller, as its register sort costs seconds per
-    row at the GPU's sizes.
+    variant: "thresh" (default, _select_thresh_kernel: a threshold from super-group maxima, then only
+    the logits >= it are sorted), "compact" (_select_compact_kernel: bisection over all group maxima;
+    219 us at B=64, L=15, V=163840, k=32 on the H200, 2026-12-02) or "sort" (sorts every logit of the
+    candidate groups; 443 us); same output. Tuning knobs (tests shrink them to reach the fallbacks at
+    small shapes): group (G logits per group max), max_groups (MAXG, the fast path's capacity in
+    groups), max_compact (KC, its capacity in logits), chunk (logits per program of the partials
+    launch), super_group (S, "thresh" only), partial_warps / select_warps ("thresh" only). Under the
+    Triton interpreter (CPU) the defaults are smaller, as its register sort costs seconds per row at
+    the GPU's sizes.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
+    lp, ids, stages = _plan(logits, k, group, max_groups, variant, max_compact, chunk, super_group,
+                            partial_warps, select_warps)  # fmt: skip
+    for launch in stages:
+        launch()
+    return lp, ids
+
+
+def _plan(
+    logits, k, group, max_groups, variant, max_compact, chunk, super_group, partial_warps, select_warps
+):
+    """Output and scratch buffers and the two launches of logits_topk (the partials, then the select)
+    as closures, so that scripts/probe_topk.py can time each launch alone."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if group is None:
         group = 8 if interpreting else 32
@@ -284,28 +423,44 @@ def logits_topk(
     lp = torch.empty((b, depth, k), dtype=torch.float32, device=dev)
     ids = torch.empty((b, depth, k), dtype=torch.int64, device=dev)
     if rows == 0:
-        return lp, ids
-    chunk = max(group, min(4096, triton.next_power_of_2(vocab)))
+        return lp, ids, ()
+    chunk = max(group, min(chunk or 4096, triton.next_power_of_2(vocab)))
     n_groups, n_chunks = triton.cdiv(vocab, group), triton.cdiv(vocab, chunk)
     gmax = torch.empty((rows, n_groups), dtype=torch.float32, device=dev)
     part = torch.empty((rows, n_chunks, 2), dtype=torch.float32, device=dev)
-    _partials_kernel[(rows, n_chunks)](logits, gmax, part, vocab, n_groups, n_chunks, CH=chunk, G=group)
+    kp = triton.next_power_of_2(k)
+    ngp = triton.next_power_of_2(n_groups)
+    tg = min(32, ngp)
+    glist = torch.empty((rows, ngp), dtype=torch.int32, device=dev)
+    nchp = triton.next_power_of_2(n_chunks)
+    shift = _KEY_SHIFT.get(logits.dtype, 0)
+    if variant == "thresh":
+        sup = min(chunk, max(group, super_group or (64 if interpreting else 512)))
+        n_sup = triton.cdiv(vocab, sup)
+        smax = torch.empty((rows, n_sup), dtype=torch.float32, device=dev)
+        grid = (rows, n_chunks)
+        pargs = (logits, gmax, smax, part, vocab, n_groups, n_sup, n_chunks)
+        partials = partial(_partials2_kernel[grid], *pargs, CH=chunk, G=group, S=sup, num_warps=partial_warps)
+        maxg = max_groups or max(16 if interpreting else 64, triton.next_power_of_2(4 * k))
+        kc = max_compact or max(64, triton.next_power_of_2(8 * k))
+        keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
+        args = (logits, gmax, smax, part, glist, keys, lp, ids, vocab, n_groups, n_sup, n_chunks, k)
+        sizes = dict(G=group, NGP=ngp, NSP=triton.next_power_of_2(n_sup), NCHP=nchp, MAXG=maxg, KP=kp, KC=kc)
+        sizes.update(KS=max(kp, kc), TG=tg, TGM=min(256 if interpreting else 1024, ngp), SHIFT=shift)
+        select = partial(_select_thresh_kernel[(rows,)], *args, **sizes, num_warps=select_warps)
+        return lp, ids, (partials, select)
+    pargs = (logits, gmax, part, vocab, n_groups, n_chunks)
+    partials = partial(_partials_kernel[(rows, n_chunks)], *pargs, CH=chunk, G=group)
     if max_groups is None:
         cap = 512 if interpreting else 8192
         max_groups = min(cap // group, max(16 if interpreting else 64, triton.next_power_of_2(2 * k)))
-    tg = min(32, triton.next_power_of_2(n_groups))
-    kp = triton.next_power_of_2(k)
-    ngp = triton.next_power_of_2(n_groups)
-    glist = torch.empty((rows, ngp), dtype=torch.int32, device=dev)
-    sizes = dict(G=group, NGP=ngp, NCHP=triton.next_power_of_2(n_chunks), MAXG=max_groups, KP=kp, TG=tg)
+    sizes = dict(G=group, NGP=ngp, NCHP=nchp, MAXG=max_groups, KP=kp, TG=tg)
     if variant == "sort":
         keys = torch.empty((rows, kp), dtype=torch.int64, device=dev)
         args = (logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k)
-        _select_kernel[(rows,)](*args, **sizes, num_warps=8)
-        return lp, ids
+        return lp, ids, (partials, partial(_select_kernel[(rows,)], *args, **sizes, num_warps=8))
     kc = max_compact or min(max_groups * group, max(64, triton.next_power_of_2(4 * k)))
     keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
     args = (logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k)
-    shift = _KEY_SHIFT.get(logits.dtype, 0)
-    _select_compact_kernel[(rows,)](*args, **sizes, KC=kc, KS=max(kp, kc), SHIFT=shift, num_warps=4)
-    return lp, ids
+    sizes.update(KC=kc, KS=max(kp, kc), SHIFT=shift)
+    return lp, ids, (partials, partial(_select_compact_kernel[(rows,)], *args, **sizes, num_warps=4))
