@@ -3,15 +3,18 @@
 Why a second kernel: in Triton, a 64-row block with 8 warps makes both warpgroups compute the same
 score tile (a chained dot gets warps [8, 1]), 1.53x the useful tensor work (docs/attention.md). Gluon
 lets us pick the layouts: one program = 64 query rows (row = node * h + head) x one KV split, two
-warpgroups; the score tile S = Q K^T [64, BLOCK_N] is split by columns between the warpgroups
+warpgroups; the score tile S = Q K^T [64, BN] is split by columns between the warpgroups
 (warps [4, 2]), P goes through shared memory, and O [64, d_c] is split by columns too (each
 warpgroup owns 64 x d_c/2 fp32 accumulators). Every tensor-core product is done once.
 
-This kernel covers only the whole BLOCK_N tiles that lie inside the prefix (no mask at all: every
-prefix slot is visible to every tree node). The rest of each request (the last partial prefix tile
-plus the t tree slots, with the tree mask) runs through the Triton kernel as one more split, and
-the splits are merged by log-sum-exp (kernels/mla_attention.py). Compiled only on CUDA devices of
-compute capability 9.x; the Triton kernel stays the reference fast path on other GPUs and in CI.
+Two variants (VARIANTS): "wide" (default; BN = 128 cache rows per tile in one buffer, rope part of Q
+in registers, the next tile prefetched into the L2) and "double" (BN = 64, two buffers, the next
+tile's copy overlapping this one). They cover only the whole BN tiles that lie inside the prefix (no
+mask at all: every prefix slot is visible to every tree node). The rest of each request (the last
+partial prefix tile plus the t tree slots, with the tree mask) runs through the Triton kernel as one
+more split, and the splits are merged by log-sum-exp (kernels/mla_attention.py). Compiled only on
+CUDA devices of compute capability 9.x; the Triton kernel serves other GPUs and CI (the interpreter
+does not run Gluon).
 """
 
 from __future__ import annotations
