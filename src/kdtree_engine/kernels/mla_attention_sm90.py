@@ -67,6 +67,26 @@ def _issue_tile(kc_buf, kr_buf, kv_ptr, b, first, bt_ptr, stride_btb, stride_kb,
 
 
 @gluon.jit
+def _store_partial(acc, m_i, l_i, part_ptr, plse_ptr, b, split, pid_m, M, stride_pb, stride_ps, stride_lb,
+                   stride_ls, D_C: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
+                   o_layout: gl.constexpr):  # fmt: skip
+    """Writes this split's normalized output rows (float32) and their log-sum-exp (natural log; -inf
+    for rows that saw no slot, i.e. a split with no tiles)."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    seen = l_o > 0
+    out = acc / gl.where(seen, l_o, 1.0)[:, None]
+    rows_o = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, D_C, gl.SliceLayout(0, o_layout))
+    o_ptrs = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    o_ptrs = o_ptrs + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
+    gl.store(o_ptrs, out, mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
+    seen_s = l_i > 0
+    lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    rows_s = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+    gl.store(plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + rows_s, lse, mask=rows_s < M)
+
+
+@gluon.jit
 def _prefix_kernel(
     q_ptr,  # [b, M, D_C + D_R] (M = t * h rows, row = node * h + head)
     kv_ptr,
@@ -178,18 +198,8 @@ def _prefix_kernel(
         gl.thread_barrier()  # every warp: done with p_smem and buffer i % 2; tile i + 1 visible
     cp.wait_group(0)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    seen = l_o > 0
-    out = acc / gl.where(seen, l_o, 1.0)[:, None]
-    rows_o = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, D_C, gl.SliceLayout(0, o_layout))
-    o_ptrs = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    o_ptrs = o_ptrs + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
-    gl.store(o_ptrs, out, mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
-    seen_s = l_i > 0
-    lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    rows_s = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
-    gl.store(plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + rows_s, lse, mask=rows_s < M)
+    _store_partial(acc, m_i, l_i, part_ptr, plse_ptr, b, split, pid_m, M, stride_pb, stride_ps, stride_lb,
+                   stride_ls, D_C, BM, s_layout, o_layout)  # fmt: skip
 
 
 @gluon.jit
@@ -316,18 +326,8 @@ def _prefix_wide_kernel(
                     i + 1 < n_tiles, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
     cp.wait_group(0)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    seen = l_o > 0
-    out = acc / gl.where(seen, l_o, 1.0)[:, None]
-    rows_o = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, D_C, gl.SliceLayout(0, o_layout))
-    o_ptrs = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    o_ptrs = o_ptrs + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
-    gl.store(o_ptrs, out, mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
-    seen_s = l_i > 0
-    lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    rows_s = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
-    gl.store(plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + rows_s, lse, mask=rows_s < M)
+    _store_partial(acc, m_i, l_i, part_ptr, plse_ptr, b, split, pid_m, M, stride_pb, stride_ps, stride_lb,
+                   stride_ls, D_C, BM, s_layout, o_layout)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)
