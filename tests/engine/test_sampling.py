@@ -14,6 +14,7 @@ from kdtree_engine.drafter import random_drafter, tiny_drafter_config
 from kdtree_engine.engine import SamplingParams, generate, target_probs
 from kdtree_engine.engine import loop as generate_module
 from kdtree_engine.model import random_model, tiny_config
+from kdtree_engine.tree import accept_greedy, accept_sampled
 
 V, PROMPT, DRAWS, BUDGET = 16, [3, 5, 7], 1500, 24  # BUDGET > V: every root sample has a child
 
@@ -119,19 +120,19 @@ def test_wrong_samplers_are_rejected(monkeypatch):
     """The same test must reject (a) a mis-tempered sampler and (b) a tree-specific bug: sampling the
     root but taking the argmax at the other nodes (biases the tokens after the first drafted one)."""
     params = PARAMS[0]
-    right = generate_module.pick_tokens
+    right = generate_module.accept_tokens
 
-    def hot(logits, p, gen=None):
-        return right(logits, SamplingParams(1.6), gen)
+    def hot(tree, logits, p, **kw):
+        return right(tree, logits, SamplingParams(1.6), **kw)
 
-    def greedy_below_root(logits, p, gen=None):
-        tokens = right(logits, p, gen)
+    def greedy_below_root(tree, logits, p, *, seed, offset, impl=None):
+        _, tokens = accept_sampled(tree, logits, temperature=p.temperature, seed=seed, offset=offset)
         tokens[:, 1:] = logits[:, 1:].argmax(-1)
-        return tokens
+        return accept_greedy(tree, tokens)
 
-    monkeypatch.setattr(generate_module, "pick_tokens", hot)
+    monkeypatch.setattr(generate_module, "accept_tokens", hot)
     assert any(r.startswith("t1:") for r in _rejections(_draws(params), params))
-    monkeypatch.setattr(generate_module, "pick_tokens", greedy_below_root)
+    monkeypatch.setattr(generate_module, "accept_tokens", greedy_below_root)
     bad = _rejections(_draws(params), params)
     assert any(r.startswith("t3:") for r in bad) and not any(r.startswith("t1:") for r in bad)
 

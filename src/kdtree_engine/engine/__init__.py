@@ -1,7 +1,7 @@
 """Generation: autoregressive, DFlash and DDTree loops, sampling, stats."""
 
 from kdtree_engine.engine.loop import METHODS, GenerationOutput, chain_tree, generate
-from kdtree_engine.engine.sampling import SamplingParams, pick_tokens, target_probs
+from kdtree_engine.engine.sampling import SamplingParams, accept_tokens, root_tree, target_probs
 from kdtree_engine.engine.stats import STAGES, GenerationStats
 
 __all__ = [
@@ -10,8 +10,9 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "SamplingParams",
+    "accept_tokens",
     "chain_tree",
     "generate",
-    "pick_tokens",
+    "root_tree",
     "target_probs",
 ]

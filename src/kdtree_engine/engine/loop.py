@@ -18,10 +18,10 @@ import torch
 
 from kdtree_engine.engine import checks
 from kdtree_engine.engine.checks import METHODS
-from kdtree_engine.engine.sampling import SamplingParams, pick_tokens
+from kdtree_engine.engine.sampling import SamplingParams, accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
 from kdtree_engine.model.generate import pad_prompts
-from kdtree_engine.tree import DraftTree, accept_greedy, build_tree_from_logits, compile_tree
+from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
 from kdtree_engine.tree.validate import check_int
 
 __all__ = ["METHODS", "GenerationOutput", "chain_tree", "generate"]
@@ -121,7 +121,7 @@ class _Run:
     drafter: object | None
     reqs: _Requests
     params: SamplingParams
-    gen: torch.Generator
+    seed: int  # of the sampled mode's counter-based noise, in [0, 2^64)
     stats: GenerationStats
     timer: StageTimer
     method: str
@@ -129,10 +129,23 @@ class _Run:
     limit: int | None  # the target's context length (positions < limit)
     max_len: int  # cache rows per request
     impl: str | None
+    draws: int = 0  # target-token choices so far: the noise offset of the next one
 
     @property
     def capture(self) -> tuple[int, ...]:
         return tuple(int(i) for i in self.drafter.target_layer_ids) if self.drafter is not None else ()
+
+
+def _accept(run: _Run, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
+    """The target's token at every node (argmax or sample, a fresh noise offset per call), then the walk."""
+    acc = accept_tokens(tree, logits, run.params, seed=run.seed, offset=run.draws, impl=run.impl)
+    run.draws += 1
+    return acc
+
+
+def _pick(run: _Run, logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> the target's token [B] (argmax or sample): accept on root-only trees."""
+    return _accept(run, root_tree(logits.shape[0], logits.device), logits[:, None]).bonus
 
 
 def _start(run: _Run, prompts: list[list[int]]) -> _Batch:
@@ -141,7 +154,7 @@ def _start(run: _Run, prompts: list[list[int]]) -> _Batch:
     cache = run.target.new_cache(b, run.max_len)
     with run.timer.stage("prefill"):
         out, last, lens = _prefill(run.target, prompts, cache, run.capture, run.impl)
-        bonus = pick_tokens(last[:, None], run.params, run.gen)[:, 0]  # [B]
+        bonus = _pick(run, last)  # [B]
     run.stats.target_forwards += 1
     for r, t in enumerate(bonus.tolist()):
         run.reqs.commit(r, [t])
@@ -158,7 +171,7 @@ def _autoregressive(run: _Run, prompts: list[list[int]]) -> None:
             logits = run.target(batch.bonus[:, None], batch.cache, impl=run.impl).logits  # [n, 1, V]
         run.stats.target_forwards += 1
         with timer.stage("accept"):
-            batch.bonus = pick_tokens(logits, run.params, run.gen)[:, 0]
+            batch.bonus = _pick(run, logits[:, 0])
         with timer.stage("commit"):
             for r, t in zip(batch.rows, batch.bonus.tolist()):
                 run.reqs.commit(r, [t])
@@ -195,7 +208,7 @@ def _speculative(run: _Run, prompts: list[list[int]]) -> None:
             )  # logits [n, N, V]
         run.stats.target_forwards += 1
         with timer.stage("accept"):
-            acc = accept_greedy(tree, pick_tokens(out.logits, run.params, run.gen), impl=run.impl)
+            acc = _accept(run, tree, out.logits)
         with timer.stage("commit"):
             _commit_round(run.reqs, run.stats, batch, vin, out, acc)
 
@@ -238,7 +251,8 @@ def generate(
     "autoregressive"; prompts: list of token-id lists (ragged) or an int tensor [B, T]; method:
     "autoregressive" | "dflash" | "ddtree"; budget: DDTree nodes (root not counted), default L =
     block_size - 1. temperature 0 is greedy; otherwise the target token at every node is drawn
-    independently (tempered, top-k, top-p) with a torch.Generator seeded by `seed`. A request stops after
+    independently (tempered, top-k, top-p) by accept_sampled's counter-based noise, keyed by
+    `seed` (any int, taken mod 2^64) and one offset per draw, so a run is reproducible. A request stops after
     a token in stop_tokens (kept) or at the target's context limit. on_tokens(b, tokens) streams commits.
     stage_timing=False skips the per-stage timers (and their CUDA syncs); the wall time is still taken.
     Returns GenerationOutput(tokens [B][n_b] new tokens, stats).
@@ -250,6 +264,7 @@ def generate(
     prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
     stops = checks.check_stop_tokens(stop_tokens, cfg.vocab_size)
     params = SamplingParams(float(temperature), float(top_p), int(top_k))
+    seed = check_int(seed, "seed", minimum=-(2**63)) % 2**64
     if method != "autoregressive":
         checks.check_drafter(target, drafter)
         depth = drafter.block_size - 1
@@ -261,13 +276,12 @@ def generate(
     margin = 2 if method == "autoregressive" else budget + drafter.block_size + 2
     max_len = max(len(p) for p in prompts) + max_new_tokens + margin
     device = target.lm_head.weight.device
-    gen = torch.Generator(device=device).manual_seed(int(seed))
     stats = GenerationStats(method=method, batch_size=len(prompts))
     timer = StageTimer(device, enabled=stage_timing)
     reqs = _Requests(limits, stops, on_tokens)
     if not any(reqs.active):
         return GenerationOutput(tokens=reqs.tokens, stats=stats)
-    run = _Run(target, drafter, reqs, params, gen, stats, timer, method, budget or 0, limit, max_len, impl)
+    run = _Run(target, drafter, reqs, params, seed, stats, timer, method, budget or 0, limit, max_len, impl)
     t0 = timer.now()
     with torch.inference_mode():
         (_autoregressive if method == "autoregressive" else _speculative)(run, prompts)

@@ -1,11 +1,19 @@
 """Choosing the target's token at every position: argmax (temperature 0) or an independent sample from
-the tempered, top-k and top-p filtered distribution."""
+the tempered, top-k and top-p filtered distribution, both through the tree package's accept ops.
+
+Sampled mode draws with `accept_sampled`'s counter-based noise: the noise of a draw is a function of
+(seed, offset, row, node, token id), so the kernel never materializes [B, N, V] noise, the reference and
+the kernel pick the same tokens, and a run is reproducible from its seed. The loop uses one offset per
+draw (prefill, then one per round), so no (offset, row, node) is ever reused within a run."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kdtree_engine.ref.sampling import sampling_cutoffs
+from kdtree_engine.tree import AcceptResult, DraftTree, accept_greedy, accept_sampled
 
 
 @dataclass(frozen=True)
@@ -30,31 +38,39 @@ class SamplingParams:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] float32 after temperature, top-k then top-p (the
-    smallest set of most probable tokens whose mass reaches top_p; the top token is always kept)."""
-    logits = logits.float() / params.temperature
-    v = logits.shape[-1]
-    if 0 < params.top_k < v:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = mass_before >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    """logits [..., V] -> probabilities [..., V] float32: softmax(logits / temperature) over the tokens
+    at or above the cutoff of ref.sampling.sampling_cutoffs (top-k, then the smallest set of most
+    probable tokens whose mass reaches top_p; tokens tied with the cutoff are kept). This is the
+    distribution accept_sampled draws from."""
+    x = logits.float()
+    flat = x.reshape(1, -1, x.shape[-1])
+    cut = sampling_cutoffs(flat, params.temperature, params.top_k, params.top_p).reshape(x.shape[:-1])
+    scaled = (x / params.temperature).masked_fill(x < cut[..., None], float("-inf"))
+    return torch.softmax(scaled, dim=-1)
 
 
-def pick_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """logits [B, N, V] -> tokens [B, N] int64: argmax (first maximum on ties) when greedy, else one
-    independent draw per position."""
+def root_tree(batch: int, device: torch.device | str) -> DraftTree:
+    """A batch of root-only trees (budget 0): accepting on it picks one token per request."""
+    empty = torch.zeros((batch, 0), dtype=torch.int64, device=device)
+    parents = torch.full((batch, 1), -1, dtype=torch.int64, device=device)
+    return DraftTree(empty, empty, parents, torch.zeros(batch, dtype=torch.int64, device=device), 0)
+
+
+def accept_tokens(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, *, seed: int, offset: int, impl=None
+) -> AcceptResult:
+    """logits [B, N, V] (N = budget + 1) -> AcceptResult: the target's token at every node is its argmax
+    (greedy) or a sample drawn with accept_sampled's seeded noise (seed, offset); then the tree walk."""
     if params.greedy:
-        return logits.argmax(dim=-1)
-    probs = target_probs(logits, params)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+        return accept_greedy(tree, logits.argmax(dim=-1), impl=impl)
+    acc, _ = accept_sampled(
+        tree,
+        logits,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        seed=seed,
+        offset=offset,
+        impl=impl,
+    )
+    return acc

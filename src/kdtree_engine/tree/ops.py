@@ -118,7 +118,22 @@ def _check_sampling_args(temperature, top_p, top_k) -> tuple[float, float, int]:
     return float(temperature), float(top_p), v.check_int(top_k, "top_k")
 
 
-def _check_noise(noise, generator, logits: torch.Tensor):
+def _check_seed(noise, generator, seed, offset) -> ref_sampling.Seeded:
+    if seed is None:
+        raise ValueError("offset: only used with seed=")
+    if noise is not None:
+        raise ValueError("noise: give either noise or seed, not both")
+    if generator is not None:
+        raise ValueError("generator: give either generator or seed, not both")
+    seed = v.check_int(seed, "seed")
+    offset = v.check_int(0 if offset is None else offset, "offset")
+    ref_sampling.check_seed_range(seed, offset)
+    return ref_sampling.Seeded(seed, offset)
+
+
+def _check_noise(noise, generator, seed, offset, logits: torch.Tensor):
+    if seed is not None or offset is not None:
+        return _check_seed(noise, generator, seed, offset)
     if noise is None:
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
@@ -143,14 +158,22 @@ def accept_sampled(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     noise=None,
+    seed: int | None = None,
+    offset: int | None = None,
     impl: str | None = None,
 ) -> tuple[AcceptResult, torch.Tensor]:
     """Sampled verification: draw the target's token at every node, then walk as accept_greedy.
 
     target_logits [B, N, V] float (N = budget + 1); temperature > 0; top_p in (0, 1]; top_k >= 0
-    (0: off). Randomness: `noise` [B, N, V] float32 standard Gumbel noise, or drawn from `generator`
-    (else torch's default generator) on the logits' device. Given the same noise the reference and the
-    kernel return identical results (see ref/sampling.py for the exact rule).
+    (0: off). Randomness, one of:
+    - `seed` (int in [0, 2^64)) and `offset` (int in [0, 2^64), default 0): counter-based noise, a
+      pure function of (seed, offset, b, n, v), computed inside the kernel (no [B, N, V] tensor). A
+      caller drawing several times from one seed advances `offset` (e.g. once per verify round);
+    - `noise` [B, N, V] float32 standard Gumbel noise;
+    - drawn from `generator` (else torch's default generator) on the logits' device ([B, N, V] float32
+      memory, like `noise`).
+    Given the same noise, or the same (seed, offset), the reference and the kernel return identical
+    results (see ref/sampling.py for the exact rule).
     Returns (AcceptResult, sampled [B, N] int64 target tokens).
     """
     _check_tree(tree)
@@ -162,7 +185,7 @@ def accept_sampled(
         raise ValueError(f"target_logits: expected shape {shape + ('V>=1',)}, got {tuple(logits.shape)}")
     v.check_float(logits, "target_logits")
     v.check_same_device({"tree": tree.tokens, "target_logits": logits})
-    noise = _check_noise(noise, generator, logits)
+    noise = _check_noise(noise, generator, seed, offset, logits)
     cutoffs = ref_sampling.sampling_cutoffs(logits, temperature, top_k, top_p)
     t32 = ref_sampling.float32_temperature(temperature)
     if resolve_impl(impl, tree.device) == "triton":
