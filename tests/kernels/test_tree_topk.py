@@ -42,12 +42,12 @@ def check_topk(x: torch.Tensor, k: int, device, want=None, **knobs) -> None:
     assert err <= ATOL, f"worst log-prob error {err}"
 
 
-CPU_CASES = [  # (b, depth, vocab, k, kind, knobs)
-    (2, 2, 1000, 8, "smooth", {}),
-    (1, 3, 1000, 16, "bf16", {}),
-    (1, 2, 37, 37, "smooth", {}),  # k = V, V not a multiple of the group
-    (1, 2, 300, 8, "flat", {}),  # every logit ties: slow path
-    (1, 2, 3000, 16, "bf16", {"max_groups": 4}),  # forced slow path
+CPU_CASES = [  # (b, depth, vocab, k, kind, knobs); no variant: the default, "fused"
+    (2, 2, 1000, 8, "smooth", {}),  # one chunk
+    (1, 3, 1000, 16, "bf16", {"chunk": 256}),  # ties across 4 chunks
+    (1, 2, 37, 37, "smooth", {"chunk": 16}),  # k = V > groups; V not a multiple of the group or chunk
+    (1, 2, 300, 8, "flat", {"chunk": 64}),  # every logit ties, 5 chunks: slow path
+    (1, 2, 3000, 16, "bf16", {"max_groups": 4}),  # forced slow path, 3 chunks
     (1, 1, 100, 60, "signed_zero", {}),  # -0.0 ties with +0.0
     (1, 2, 500, 5, "bf16", {"group": 16, "max_groups": 8}),
     (2, 2, 1000, 8, "smooth", {"variant": "compact"}),  # float32: unshifted keys
@@ -56,19 +56,51 @@ CPU_CASES = [  # (b, depth, vocab, k, kind, knobs)
     (1, 3, 1000, 8, "bf16", {"variant": "compact", "max_compact": 16}),  # too many ties for KC
     (1, 2, 300, 8, "flat", {"variant": "compact"}),
     (1, 1, 100, 60, "signed_zero", {"variant": "compact"}),
-    # default "thresh" select: several chunks, super groups and group-max tiles; V not a multiple of them
-    (1, 2, 5000, 16, "bf16", {"chunk": 1024, "super_group": 128}),
-    (1, 2, 2000, 8, "half", {}),  # fp16: keys shifted by 13
-    (1, 1, 64, 64, "bf16", {}),  # k = V with ties, k > number of super groups
-    (1, 3, 3000, 16, "bf16", {"max_compact": 16}),  # more logits >= T0 than KC: bisection path
-    (1, 2, 1000, 8, "smooth", {"super_group": 8, "select_warps": 2, "partial_warps": 2}),  # S = G
 ]
+THRESH_CASES = [  # the "thresh" select, run as two launches ("thresh") and as the fused one ("fused")
+    (1, 2, 5000, 16, "bf16", {"chunk": 1024, "super_group": 128}),  # 5 chunks, V not a multiple
+    (1, 2, 2000, 8, "half", {}),  # fp16: keys shifted by 13; 2 chunks
+    (1, 1, 64, 64, "bf16", {"chunk": 16}),  # k = V with ties, k > number of groups and super groups
+    (1, 3, 3000, 16, "bf16", {"max_compact": 16}),  # more logits >= T0 than KC: bisection path
+    (
+        1,
+        2,
+        1000,
+        8,
+        "smooth",
+        {"super_group": 8, "select_warps": 2, "partial_warps": 2, "chunk": 128},
+    ),  # S = G
+]
+CPU_CASES += [(*c[:5], {**c[5], "variant": v}) for c in THRESH_CASES for v in ("thresh", "fused")]
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "-".join(map(str, c[:5])))
+@pytest.mark.parametrize(
+    "case", CPU_CASES, ids=lambda c: "-".join(map(str, (*c[:5], c[5].get("variant", ""))))
+)
 def test_topk_matches_reference(case, device):
     b, depth, vocab, k, kind, knobs = case
     check_topk(make_logits(vocab + k, b, depth, vocab, kind), k, device, **knobs)
+
+
+def test_fused_counter_is_left_zeroed(device):
+    """The row counters of the fused launch end at zero, so a caller-kept buffer serves the next call
+    (a counter left at NCH would make no program of the row its last, and no select would run)."""
+    x = make_logits(5, 2, 2, 700, "bf16")
+    counter = torch.zeros(4, dtype=torch.int32, device=device)
+    for seed in (5, 6):  # two calls in a row on the same shapes and counter
+        x = make_logits(seed, 2, 2, 700, "bf16")
+        check_topk(x, 8, device, counter=counter, chunk=128)  # 6 chunks per row
+        assert torch.equal(counter.cpu(), torch.zeros(4, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("counter,variant", [
+    (torch.zeros(4, dtype=torch.int64), "fused"),
+    (torch.zeros(3, dtype=torch.int32), "fused"),
+    (torch.zeros(4, dtype=torch.int32), "thresh"),
+])  # fmt: skip
+def test_bad_counter_is_a_value_error(counter, variant):
+    with pytest.raises(ValueError, match="counter"):
+        tree_topk.logits_topk(torch.zeros(2, 2, 16), 2, variant=variant, counter=counter)
 
 
 @pytest.mark.parametrize("budget", [0, 1, 7])
@@ -111,12 +143,48 @@ def test_topk_slow_path_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bf16", "smooth", "flat"])
 def test_topk_variants_gpu(kind):
-    """The "compact" and "thresh" top-k variants at the Kimi vocab (B = 64, L = 15)."""
+    """Every top-k variant at the Kimi vocab (B = 64, L = 15); "fused" at both chunk sizes and with a
+    caller-kept counter reused across calls."""
     x = make_logits(7, 64, 15, 163840, kind).bfloat16()
     want = ref.logits_to_topk(x, 64)
+    counter = torch.zeros(64 * 15, dtype=torch.int32, device="cuda")
     for budget in (8, 32, 64):
-        for variant in ("compact", "thresh"):
-            check_topk(x, budget, torch.device("cuda"), want, variant=variant)
+        for knobs in ({"variant": "compact"}, {"variant": "thresh"}, {"variant": "fused"}, {"chunk": 4096},
+                      {"counter": counter}, {"counter": counter, "chunk": 4096}):  # fmt: skip
+            check_topk(x, budget, torch.device("cuda"), want, **knobs)
+    assert int(counter.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_fused_topk_graph_and_streams_gpu():
+    """The fused launch captured in a CUDA graph (its counter memset captured with it) and replayed on
+    fresh logits, then run on three streams at once with default counters: equal to the reference."""
+    dev = torch.device("cuda")
+    xs = [make_logits(s, 64, 15, 163840, "bf16").bfloat16().to(dev) for s in (11, 12, 13)]
+    static = xs[0].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        tree_topk.logits_topk(static, 32)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tree_topk.logits_topk(static, 32)
+    wants = [ref.logits_to_topk(x.cpu(), 32) for x in xs]
+    for x, (want_lp, want_ids) in zip(xs, wants):
+        static.copy_(x)
+        graph.replay()
+        graph.replay()
+        assert torch.equal(out[1].cpu(), want_ids) and (out[0].cpu() - want_lp).abs().max() <= ATOL
+    streams = [torch.cuda.Stream() for _ in xs]
+    outs = []
+    for s, x in zip(streams, xs):
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(tree_topk.logits_topk(x, 32))
+    torch.cuda.synchronize()
+    for (lp, ids), (want_lp, want_ids) in zip(outs, wants):
+        assert torch.equal(ids.cpu(), want_ids) and (lp.cpu() - want_lp).abs().max() <= ATOL
 
 
 def test_unknown_variant_is_a_value_error():

@@ -1,18 +1,19 @@
 """Vocab-wide top-k and log-softmax normalizer on the GPU (twin of ref.tree.logits_to_topk).
 
-Two launches, the logits read once in full:
-1. grid (rows, chunks): per chunk the max and the sum of exp (for logsumexp), the max of every group
-   of G consecutive logits and (default "thresh" select) of every super group of S logits.
-2. grid (rows,): the row's logsumexp from the chunk partials, then the select. Default, "thresh"
-   (_select_thresh_kernel): T0 = the k-th largest super-group max, a lower bound of the k-th largest
-   logit found by a short bisection over V / S values; the groups whose max is >= T0 are listed in one
-   pass over the group maxima, and their logits >= T0 (about k) are compacted as int64 keys
-   `ordered(value) << 32 | (2^32 - 1 - id)`, which are distinct and order by value, then by smaller
-   id, and sorted in registers. Heavy ties (more than MAXG groups or KC logits) take the bisection
-   path (_slow_select: the k-th key by bisection over the candidate groups, value bits then id; then
-   the k winners are collected and sorted). Earlier selects, same output: "compact"
-   (_select_compact_kernel: T = the k-th largest group max by bisection over all NG group maxima) and
-   "sort" (_select_kernel: sorts every logit of the candidate groups).
+The logits are read once in full. Per chunk of a row (_chunk_partials): the max and the sum of exp
+(for logsumexp), the max of every group of G consecutive logits and of every super group of S logits.
+Per row, the select (_select_thresh_row): the row's logsumexp from the chunk partials; T0 = the k-th
+largest super-group max, a lower bound of the k-th largest logit found by a short bisection over
+V / S values; the groups whose max is >= T0 are listed in one pass over the group maxima, and their
+logits >= T0 (about k) are compacted as int64 keys `ordered(value) << 32 | (2^32 - 1 - id)`, which
+are distinct and order by value, then by smaller id, and sorted in registers. Heavy ties (more than
+MAXG groups or KC logits) take the bisection path (_slow_select: the k-th key by bisection over the
+candidate groups, value bits then id; then the k winners are collected and sorted).
+Variants, same output: "fused" (default, _fused_kernel: one launch; the last program of each row,
+told by an atomic counter, runs the row's select) and "thresh" (_partials2_kernel, then
+_select_thresh_kernel). Earlier selects, kept for comparison (hence the file's length): "compact"
+(_select_compact_kernel: T = the k-th largest group max by bisection over all NG group maxima) and
+"sort" (_select_kernel: sorts every logit of the candidate groups).
 Output: (top_logprobs [B, L, k] float32 = logit - logsumexp, top_ids [B, L, k] int64), ids and their
 order exactly those of ref.tree.topk_stable; the logsumexp is a float32 sum in another order than
 torch's, so log-probs agree to float32 rounding.
@@ -55,12 +56,11 @@ def _partials_kernel(x_ptr, gmax_ptr, part_ptr, V, NG, NCH, CH: tl.constexpr, G:
 
 
 @triton.jit
-def _partials2_kernel(x_ptr, gmax_ptr, smax_ptr, part_ptr, V, NG, NS, NCH,
-                      CH: tl.constexpr, G: tl.constexpr, S: tl.constexpr):  # fmt: skip
-    """_partials_kernel plus the max of every super group of S logits (S a multiple of G dividing CH);
-    the chunk is loaded as a [CH // G, G] tile (16-byte loads for bf16 when V is a multiple of 8)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
+def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH,
+                    CH: tl.constexpr, G: tl.constexpr, S: tl.constexpr):  # fmt: skip
+    """Chunk c of a row: the max of every group of G and super group of S logits (S a multiple of G
+    dividing CH) and the chunk's (max, sum exp); the chunk is loaded as a [CH // G, G] tile (16-byte
+    loads for bf16 when V is a multiple of 8)."""
     offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]  # [CH // G, G]
     x = tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     gmax = tl.max(x, axis=1)  # [CH // G]
@@ -73,6 +73,14 @@ def _partials2_kernel(x_ptr, gmax_ptr, smax_ptr, part_ptr, V, NG, NS, NCH,
     s = tl.sum(tl.sum(tl.exp(x - m), axis=1), axis=0)
     tl.store(part_ptr + (row * NCH + c) * 2, m)
     tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
+
+
+@triton.jit
+def _partials2_kernel(x_ptr, gmax_ptr, smax_ptr, part_ptr, V, NG, NS, NCH,
+                      CH: tl.constexpr, G: tl.constexpr, S: tl.constexpr):  # fmt: skip
+    """_partials_kernel plus the super-group maxima, grid (rows, chunks)."""
+    row = tl.program_id(0).to(tl.int64)
+    _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, tl.program_id(1), V, NG, NS, NCH, CH, G, S)
 
 
 @triton.jit
@@ -289,39 +297,17 @@ def _emit_packed(top, rank, k, lse, lp_out, ids_out, row):
 
 
 @triton.jit
-def _select_thresh_kernel(
-    x_ptr,  # [R, V] logits
-    gmax_ptr,  # [R, NG] float32
-    smax_ptr,  # [R, NS] float32
-    part_ptr,  # [R, NCH, 2] float32
-    glist_ptr,  # [R, NGP] int32 scratch
-    keys_ptr,  # [R, KS] int64 scratch
-    lp_out,  # [R, k] float32
-    ids_out,  # [R, k] int64
-    V,
-    NG,
-    NS,
-    NCH,
-    k,
-    G: tl.constexpr,
-    NGP: tl.constexpr,
-    NSP: tl.constexpr,
-    NCHP: tl.constexpr,
-    MAXG: tl.constexpr,
-    KP: tl.constexpr,
-    KC: tl.constexpr,
-    KS: tl.constexpr,
-    TG: tl.constexpr,
-    TGM: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
+def _select_thresh_row(x_ptr, gmax_ptr, smax_ptr, part_ptr, glist_ptr, keys_ptr, lp_out, ids_out, row,
+                       V, NG, NS, NCH, k, G: tl.constexpr, NGP: tl.constexpr, NSP: tl.constexpr,
+                       NCHP: tl.constexpr, MAXG: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
+                       KS: tl.constexpr, TG: tl.constexpr, TGM: tl.constexpr,
+                       SHIFT: tl.constexpr):  # fmt: skip
     """The "thresh" select (same output as _select_kernel). T0 = the k-th largest super-group max (NS of
     them, S logits each) is a lower bound of the k-th largest logit (the k best super groups each hold
     a logit >= T0), found by a short bisection over NS values, not over the NG group maxima. Every
     top-k logit is >= T0 and sits in a group whose max is >= T0: one pass over the group maxima in
     TGM-wide tiles lists those groups (about k for smooth logits); their logits >= T0 are compacted as
     int64 keys (<= KC) and sorted. More than MAXG groups or KC logits (heavy ties) -> bisection path."""
-    row = tl.program_id(0).to(tl.int64)
     lse = _lse(part_ptr, row, NCH, NCHP)
     sidx = tl.arange(0, NSP)
     skey = _ordered32(tl.load(smax_ptr + row * NS + sidx, mask=sidx < NS, other=float("-inf")))
@@ -367,7 +353,87 @@ def _select_thresh_kernel(
         _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
 
 
-VARIANTS = ("thresh", "compact", "sort")
+@triton.jit
+def _select_thresh_kernel(
+    x_ptr,  # [R, V] logits
+    gmax_ptr,  # [R, NG] float32
+    smax_ptr,  # [R, NS] float32
+    part_ptr,  # [R, NCH, 2] float32
+    glist_ptr,  # [R, NGP] int32 scratch
+    keys_ptr,  # [R, KS] int64 scratch
+    lp_out,  # [R, k] float32
+    ids_out,  # [R, k] int64
+    V,
+    NG,
+    NS,
+    NCH,
+    k,
+    G: tl.constexpr,
+    NGP: tl.constexpr,
+    NSP: tl.constexpr,
+    NCHP: tl.constexpr,
+    MAXG: tl.constexpr,
+    KP: tl.constexpr,
+    KC: tl.constexpr,
+    KS: tl.constexpr,
+    TG: tl.constexpr,
+    TGM: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """The "thresh" select launch, grid (rows,), after _partials2_kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    _select_thresh_row(x_ptr, gmax_ptr, smax_ptr, part_ptr, glist_ptr, keys_ptr, lp_out, ids_out, row,
+                       V, NG, NS, NCH, k, G, NGP, NSP, NCHP, MAXG, KP, KC, KS, TG, TGM, SHIFT)  # fmt: skip
+
+
+@triton.jit
+def _fused_kernel(
+    x_ptr,  # [R, V] logits
+    gmax_ptr,  # [R, NG] float32
+    smax_ptr,  # [R, NS] float32
+    part_ptr,  # [R, NCH, 2] float32
+    count_ptr,  # [R] int32, zero on entry and on exit
+    glist_ptr,  # [R, NGP] int32 scratch
+    keys_ptr,  # [R, KS] int64 scratch
+    lp_out,  # [R, k] float32
+    ids_out,  # [R, k] int64
+    V,
+    NG,
+    NS,
+    NCH,
+    k,
+    CH: tl.constexpr,
+    G: tl.constexpr,
+    S: tl.constexpr,
+    NGP: tl.constexpr,
+    NSP: tl.constexpr,
+    NCHP: tl.constexpr,
+    MAXG: tl.constexpr,
+    KP: tl.constexpr,
+    KC: tl.constexpr,
+    KS: tl.constexpr,
+    TG: tl.constexpr,
+    TGM: tl.constexpr,
+    SHIFT: tl.constexpr,
+):
+    """The "fused" variant, one launch, grid (R * NCH,) with a row's chunks adjacent (so a row's select
+    runs while later rows still stream): each program writes its chunk's partials, then counts itself
+    done on the row's counter; the last of the row (it sees NCH - 1) resets the counter and runs the
+    "thresh" select. The barrier orders every thread's stores before the counter update; the update is
+    acq_rel at GPU scope (Triton's defaults), so the other programs' stores, released by their updates,
+    are visible to the last program's reads."""
+    pid = tl.program_id(0)
+    row = (pid // NCH).to(tl.int64)
+    _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, pid % NCH, V, NG, NS, NCH, CH, G, S)
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == NCH - 1:
+        tl.store(count_ptr + row, 0)  # every program of the row has counted: no other access this launch
+        _select_thresh_row(x_ptr, gmax_ptr, smax_ptr, part_ptr, glist_ptr, keys_ptr, lp_out, ids_out,
+                           row, V, NG, NS, NCH, k, G, NGP, NSP, NCHP, MAXG, KP, KC, KS, TG, TGM,
+                           SHIFT)  # fmt: skip
+
+
+VARIANTS = ("fused", "thresh", "compact", "sort")
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}  # float32 bits that are always zero
 
 
@@ -375,9 +441,10 @@ def logits_topk(
     logits: torch.Tensor,
     k: int,
     *,
+    variant: str = "fused",
+    counter: torch.Tensor | None = None,
     group: int | None = None,
     max_groups: int | None = None,
-    variant: str = "thresh",
     max_compact: int | None = None,
     chunk: int | None = None,
     super_group: int | None = None,
@@ -387,30 +454,42 @@ def logits_topk(
     """logits [B, L, V] float (validated, V >= 1), 1 <= k <= V ->
     (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
 
-    variant: "thresh" (default, _select_thresh_kernel: a threshold from super-group maxima, then only
-    the logits >= it are sorted), "compact" (_select_compact_kernel: bisection over all group maxima;
-    219 us at B=64, L=15, V=163840, k=32 on the H200, 2026-12-02) or "sort" (sorts every logit of the
-    candidate groups; 443 us); same output. Tuning knobs (tests shrink them to reach the fallbacks at
-    small shapes): group (G logits per group max), max_groups (MAXG, the fast path's capacity in
-    groups), max_compact (KC, its capacity in logits), chunk (logits per program of the partials
-    launch), super_group (S, "thresh" only), partial_warps / select_warps ("thresh" only). Under the
-    Triton interpreter (CPU) the defaults are smaller, as its register sort costs seconds per row at
-    the GPU's sizes.
+    variant: "fused" (default, _fused_kernel: the "thresh" partials and select in one launch, the
+    last program of each row doing the select), "thresh" (_partials2_kernel then
+    _select_thresh_kernel: a threshold from super-group maxima, then only the logits >= it are
+    sorted; 142.5 us at B=64, L=15, V=163840, k=32 on the H200), "compact" (bisection over all group
+    maxima; 219 us) or "sort" (sorts every logit of the candidate groups; 443 us); same output.
+    counter ("fused" only): int32 [B * L] zeros on the logits' device, left zeroed by the launch; the
+    caller keeps it and must not share it between launches that may overlap (another stream, another
+    graph). Default: a fresh zeroed buffer per call (one memset), safe everywhere.
+    Tuning knobs (tests shrink them to reach the fallbacks at small shapes): group (G logits per
+    group max), max_groups (MAXG, the fast path's capacity in groups), max_compact (KC, its capacity
+    in logits), chunk (logits per program of the partials; default 8192 for "fused", 4096 otherwise),
+    super_group (S, "thresh" / "fused"), partial_warps (the "fused" launch's warps too) / select_warps
+    ("thresh" only). Under the Triton interpreter (CPU) the defaults are smaller, as its register sort
+    costs seconds per row at the GPU's sizes.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
-    lp, ids, stages = _plan(logits, k, group, max_groups, variant, max_compact, chunk, super_group,
-                            partial_warps, select_warps)  # fmt: skip
+    if counter is not None:
+        rows = logits.shape[0] * logits.shape[1]
+        if variant != "fused" or counter.dtype != torch.int32 or counter.shape != (rows,):
+            raise ValueError(f"counter: expected int32 [{rows}] with variant 'fused', got "
+                             f"{counter.dtype} {list(counter.shape)} with {variant!r}")  # fmt: skip
+        if counter.device != logits.device or not counter.is_contiguous():
+            raise ValueError(f"counter: expected contiguous on {logits.device}, got {counter.device}")
+    lp, ids, stages = _plan(logits, k, variant=variant, counter=counter, group=group, max_groups=max_groups,
+                            max_compact=max_compact, chunk=chunk, super_group=super_group,
+                            partial_warps=partial_warps, select_warps=select_warps)  # fmt: skip
     for launch in stages:
         launch()
     return lp, ids
 
 
-def _plan(
-    logits, k, group, max_groups, variant, max_compact, chunk, super_group, partial_warps, select_warps
-):
-    """Output and scratch buffers and the two launches of logits_topk (the partials, then the select)
-    as closures, so that scripts/probe_topk.py can time each launch alone."""
+def _plan(logits, k, *, variant="fused", counter=None, group=None, max_groups=None, max_compact=None,
+          chunk=None, super_group=None, partial_warps=4, select_warps=4):  # fmt: skip
+    """Output and scratch buffers and the launches of logits_topk as closures (the partials, then the
+    select; one for "fused"), so that scripts/probe_topk.py can time each launch alone."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     if group is None:
         group = 8 if interpreting else 32
@@ -424,7 +503,8 @@ def _plan(
     ids = torch.empty((b, depth, k), dtype=torch.int64, device=dev)
     if rows == 0:
         return lp, ids, ()
-    chunk = max(group, min(chunk or 4096, triton.next_power_of_2(vocab)))
+    chunk = chunk or (1024 if interpreting else 8192 if variant == "fused" else 4096)
+    chunk = max(group, min(chunk, triton.next_power_of_2(vocab)))
     n_groups, n_chunks = triton.cdiv(vocab, group), triton.cdiv(vocab, chunk)
     gmax = torch.empty((rows, n_groups), dtype=torch.float32, device=dev)
     part = torch.empty((rows, n_chunks, 2), dtype=torch.float32, device=dev)
@@ -434,20 +514,26 @@ def _plan(
     glist = torch.empty((rows, ngp), dtype=torch.int32, device=dev)
     nchp = triton.next_power_of_2(n_chunks)
     shift = _KEY_SHIFT.get(logits.dtype, 0)
-    if variant == "thresh":
+    if variant in ("thresh", "fused"):
         sup = min(chunk, max(group, super_group or (64 if interpreting else 512)))
         n_sup = triton.cdiv(vocab, sup)
         smax = torch.empty((rows, n_sup), dtype=torch.float32, device=dev)
-        grid = (rows, n_chunks)
-        pargs = (logits, gmax, smax, part, vocab, n_groups, n_sup, n_chunks)
-        partials = partial(_partials2_kernel[grid], *pargs, CH=chunk, G=group, S=sup, num_warps=partial_warps)
         maxg = max_groups or max(16 if interpreting else 64, triton.next_power_of_2(4 * k))
         kc = max_compact or max(64, triton.next_power_of_2(8 * k))
         keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
-        args = (logits, gmax, smax, part, glist, keys, lp, ids, vocab, n_groups, n_sup, n_chunks, k)
         sizes = dict(G=group, NGP=ngp, NSP=triton.next_power_of_2(n_sup), NCHP=nchp, MAXG=maxg, KP=kp, KC=kc)
         sizes.update(KS=max(kp, kc), TG=tg, TGM=min(256 if interpreting else 1024, ngp), SHIFT=shift)
-        select = partial(_select_thresh_kernel[(rows,)], *args, **sizes, num_warps=select_warps)
+        head, tail = (logits, gmax, smax, part), (glist, keys, lp, ids, vocab, n_groups, n_sup, n_chunks, k)
+        if variant == "fused":
+            if counter is None:  # stream-ordered by the caching allocator, a memset node under capture
+                counter = torch.zeros(rows, dtype=torch.int32, device=dev)
+            launch = _fused_kernel[(rows * n_chunks,)]
+            sizes.update(CH=chunk, S=sup, num_warps=partial_warps)
+            return lp, ids, (partial(launch, *head, counter, *tail, **sizes),)
+        grid = (rows, n_chunks)
+        pargs = (*head, vocab, n_groups, n_sup, n_chunks)
+        partials = partial(_partials2_kernel[grid], *pargs, CH=chunk, G=group, S=sup, num_warps=partial_warps)
+        select = partial(_select_thresh_kernel[(rows,)], *head, *tail, **sizes, num_warps=select_warps)
         return lp, ids, (partials, select)
     pargs = (logits, gmax, part, vocab, n_groups, n_chunks)
     partials = partial(_partials_kernel[(rows, n_chunks)], *pargs, CH=chunk, G=group)
