@@ -107,9 +107,10 @@ def _same_tree(peer_out, tree, r: int) -> bool:
     )
 
 
-def _try_variant(kernels, logits, budget: int, tree, timed, variant: str = "compact") -> float | None:
-    """Times another top-k variant (the earlier default "compact"; the default is now "thresh"); None
-    (and the reason printed) if it fails or builds another tree, so the default columns survive."""
+def _try_variant(kernels, logits, budget: int, tree, timed, variant: str) -> float | None:
+    """Times another top-k variant than the default ("fused"): "thresh" (two launches) or the older
+    "compact"; None (and the reason printed) if it fails or builds another tree, so the default
+    columns survive."""
     try:
         other = kernels.build_tree_from_logits(logits, budget, topk_variant=variant)
         if not all(torch.equal(getattr(other, f), getattr(tree, f)) for f in ("tokens", "parents")):
@@ -141,7 +142,8 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) 
     row = {"B": b, "budget": budget}
     row["gpu topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
     row["gpu logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
-    row["gpu logits->tree (compact)"] = _try_variant(kernels, logits, budget, tree, timed)
+    for variant in ("thresh", "compact"):
+        row[f"gpu logits->tree ({variant})"] = _try_variant(kernels, logits, budget, tree, timed, variant)
     row["gpu compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
     row["gpu accept"] = timed(lambda: kernels.accept_greedy(tree, target))
     lp_host, ids_host = lp.cpu(), ids.cpu()
@@ -163,7 +165,14 @@ def _ratio(a: float | None, b: float | None) -> str | None:
 
 
 def _report(rows: list[dict], peers: list[str], header: str, out: Path) -> str:
-    cols = ["gpu topk->tree", "gpu logits->tree", "gpu logits->tree (compact)", "gpu compile", "gpu accept"]
+    cols = [
+        "gpu topk->tree",
+        "gpu logits->tree",
+        "gpu logits->tree (thresh)",
+        "gpu logits->tree (compact)",
+        "gpu compile",
+        "gpu accept",
+    ]
     cols += ["cpu ref", *peers]
     ratios = [("cpu ref", "gpu topk->tree")] + [
         (p, c) for p in peers for c in ("gpu topk->tree", "gpu logits->tree")
