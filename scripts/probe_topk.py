@@ -33,17 +33,12 @@ from kdtree_engine.ref import tree as ref
 B, L, V, K = 64, 15, 163840, 32
 REPS, PER_GRAPH = 20, 10
 KEPT = "kept"  # knob value: a zeroed counter buffer made once per input and reused
-VARIANTS = [  # (name, knobs); "thresh" knobs not listed were measured before (no gain)
-    ("fused (default, ch=8192)", {}),
-    ("thresh", {"variant": "thresh"}),
-    ("fused kept counter", {"counter": KEPT}),
-    ("fused ch=4096", {"chunk": 4096}),
-    ("fused ch=4096 kept counter", {"chunk": 4096, "counter": KEPT}),
-    ("fused ch=8192 pw=8", {"partial_warps": 8}),
-    ("fused ch=16384 pw=8", {"chunk": 16384, "partial_warps": 8}),
-    ("fused S=1024", {"super_group": 1024}),
-    ("fused ch=4096 S=1024", {"chunk": 4096, "super_group": 1024}),
-    ("thresh ch=8192 S=1024", {"variant": "thresh", "chunk": 8192, "super_group": 1024}),
+VARIANTS = [  # (name, knobs); measured 2026-12-02 13:06 UTC: see docs/tree_kernels.md
+    ("thresh (default, ch=8192 S=1024)", {}),
+    ("fused (ch=8192 S=512)", {"variant": "fused"}),
+    ("thresh ch=4096 S=512 (earlier default)", {"variant": "thresh", "chunk": 4096, "super_group": 512}),
+    ("fused kept counter", {"variant": "fused", "counter": KEPT}),
+    ("fused S=1024", {"variant": "fused", "super_group": 1024}),
     ("compact (older)", {"variant": "compact"}),
 ]
 SLOW_PATH = VARIANTS[:2]  # run on "ties_heavy"

@@ -42,7 +42,7 @@ def check_topk(x: torch.Tensor, k: int, device, want=None, **knobs) -> None:
     assert err <= ATOL, f"worst log-prob error {err}"
 
 
-CPU_CASES = [  # (b, depth, vocab, k, kind, knobs); no variant: the default, "fused"
+CPU_CASES = [  # (b, depth, vocab, k, kind, knobs); no variant: the default, "thresh"
     (2, 2, 1000, 8, "smooth", {}),  # one chunk
     (1, 3, 1000, 16, "bf16", {"chunk": 256}),  # ties across 4 chunks
     (1, 2, 37, 37, "smooth", {"chunk": 16}),  # k = V > groups; V not a multiple of the group or chunk
@@ -89,7 +89,7 @@ def test_fused_counter_is_left_zeroed(device):
     counter = torch.zeros(4, dtype=torch.int32, device=device)
     for seed in (5, 6):  # two calls in a row on the same shapes and counter
         x = make_logits(seed, 2, 2, 700, "bf16")
-        check_topk(x, 8, device, counter=counter, chunk=128)  # 6 chunks per row
+        check_topk(x, 8, device, variant="fused", counter=counter, chunk=128)  # 6 chunks per row
         assert torch.equal(counter.cpu(), torch.zeros(4, dtype=torch.int32))
 
 
@@ -143,33 +143,35 @@ def test_topk_slow_path_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["bf16", "smooth", "flat"])
 def test_topk_variants_gpu(kind):
-    """Every top-k variant at the Kimi vocab (B = 64, L = 15); "fused" at both chunk sizes and with a
-    caller-kept counter reused across calls."""
+    """Every top-k variant at the Kimi vocab (B = 64, L = 15); "thresh" and "fused" at both chunk sizes,
+    "fused" with a caller-kept counter reused across calls."""
     x = make_logits(7, 64, 15, 163840, kind).bfloat16()
     want = ref.logits_to_topk(x, 64)
     counter = torch.zeros(64 * 15, dtype=torch.int32, device="cuda")
     for budget in (8, 32, 64):
         for knobs in ({"variant": "compact"}, {"variant": "thresh"}, {"variant": "fused"}, {"chunk": 4096},
-                      {"counter": counter}, {"counter": counter, "chunk": 4096}):  # fmt: skip
+                      {"variant": "fused", "chunk": 4096}, {"variant": "fused", "counter": counter},
+                      {"variant": "fused", "counter": counter, "chunk": 4096}):  # fmt: skip
             check_topk(x, budget, torch.device("cuda"), want, **knobs)
     assert int(counter.abs().sum()) == 0
 
 
 @pytest.mark.gpu
-def test_fused_topk_graph_and_streams_gpu():
-    """The fused launch captured in a CUDA graph (its counter memset captured with it) and replayed on
-    fresh logits, then run on three streams at once with default counters: equal to the reference."""
+@pytest.mark.parametrize("variant", ["thresh", "fused"])
+def test_topk_graph_and_streams_gpu(variant):
+    """The launches captured in a CUDA graph (for "fused", its counter memset with them) and replayed
+    on fresh logits, then run on three streams at once (default counters): equal to the reference."""
     dev = torch.device("cuda")
     xs = [make_logits(s, 64, 15, 163840, "bf16").bfloat16().to(dev) for s in (11, 12, 13)]
     static = xs[0].clone()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        tree_topk.logits_topk(static, 32)
+        tree_topk.logits_topk(static, 32, variant=variant)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = tree_topk.logits_topk(static, 32)
+        out = tree_topk.logits_topk(static, 32, variant=variant)
     wants = [ref.logits_to_topk(x.cpu(), 32) for x in xs]
     for x, (want_lp, want_ids) in zip(xs, wants):
         static.copy_(x)
@@ -181,7 +183,7 @@ def test_fused_topk_graph_and_streams_gpu():
     for s, x in zip(streams, xs):
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            outs.append(tree_topk.logits_topk(x, 32))
+            outs.append(tree_topk.logits_topk(x, 32, variant=variant))
     torch.cuda.synchronize()
     for (lp, ids), (want_lp, want_ids) in zip(outs, wants):
         assert torch.equal(ids.cpu(), want_ids) and (lp.cpu() - want_lp).abs().max() <= ATOL

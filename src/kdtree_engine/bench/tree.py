@@ -108,7 +108,7 @@ def _same_tree(peer_out, tree, r: int) -> bool:
 
 
 def _try_variant(kernels, logits, budget: int, tree, timed, variant: str) -> float | None:
-    """Times another top-k variant than the default ("fused"): "thresh" (two launches) or the older
+    """Times another top-k variant than the default ("thresh"): "fused" (one launch) or the older
     "compact"; None (and the reason printed) if it fails or builds another tree, so the default
     columns survive."""
     try:
@@ -142,7 +142,7 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) 
     row = {"B": b, "budget": budget}
     row["gpu topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
     row["gpu logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
-    for variant in ("thresh", "compact"):
+    for variant in ("fused", "compact"):
         row[f"gpu logits->tree ({variant})"] = _try_variant(kernels, logits, budget, tree, timed, variant)
     row["gpu compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
     row["gpu accept"] = timed(lambda: kernels.accept_greedy(tree, target))
@@ -168,7 +168,7 @@ def _report(rows: list[dict], peers: list[str], header: str, out: Path) -> str:
     cols = [
         "gpu topk->tree",
         "gpu logits->tree",
-        "gpu logits->tree (thresh)",
+        "gpu logits->tree (fused)",
         "gpu logits->tree (compact)",
         "gpu compile",
         "gpu accept",

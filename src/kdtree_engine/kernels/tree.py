@@ -24,7 +24,7 @@ __all__ = [
 
 
 def build_tree_from_logits(
-    draft_logits: torch.Tensor, budget: int, *, topk_variant: str = "fused"
+    draft_logits: torch.Tensor, budget: int, *, topk_variant: str = "thresh"
 ) -> DraftTree:
     """draft_logits [B, L, V] float (validated) -> DraftTree: top-k (k = min(budget, V)) with the
     float32 log-softmax, then the best-first build; equal to the reference given the same top-k.

@@ -9,11 +9,12 @@ logits >= T0 (about k) are compacted as int64 keys `ordered(value) << 32 | (2^32
 are distinct and order by value, then by smaller id, and sorted in registers. Heavy ties (more than
 MAXG groups or KC logits) take the bisection path (_slow_select: the k-th key by bisection over the
 candidate groups, value bits then id; then the k winners are collected and sorted).
-Variants, same output: "fused" (default, _fused_kernel: one launch; the last program of each row,
-told by an atomic counter, runs the row's select) and "thresh" (_partials2_kernel, then
-_select_thresh_kernel). Earlier selects, kept for comparison (hence the file's length): "compact"
-(_select_compact_kernel: T = the k-th largest group max by bisection over all NG group maxima) and
-"sort" (_select_kernel: sorts every logit of the candidate groups).
+Variants, same output: "thresh" (default: _partials2_kernel, then _select_thresh_kernel) and
+"fused" (_fused_kernel: one launch; the last program of each row, told by an atomic counter, runs the
+row's select; measured slower on the H200, see logits_topk). Earlier selects, kept for comparison
+(hence the file's length): "compact" (_select_compact_kernel: T = the k-th largest group max by
+bisection over all NG group maxima) and "sort" (_select_kernel: sorts every logit of the candidate
+groups).
 Output: (top_logprobs [B, L, k] float32 = logit - logsumexp, top_ids [B, L, k] int64), ids and their
 order exactly those of ref.tree.topk_stable; the logsumexp is a float32 sum in another order than
 torch's, so log-probs agree to float32 rounding.
@@ -441,7 +442,7 @@ def logits_topk(
     logits: torch.Tensor,
     k: int,
     *,
-    variant: str = "fused",
+    variant: str = "thresh",
     counter: torch.Tensor | None = None,
     group: int | None = None,
     max_groups: int | None = None,
@@ -454,20 +455,22 @@ def logits_topk(
     """logits [B, L, V] float (validated, V >= 1), 1 <= k <= V ->
     (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
 
-    variant: "fused" (default, _fused_kernel: the "thresh" partials and select in one launch, the
-    last program of each row doing the select), "thresh" (_partials2_kernel then
-    _select_thresh_kernel: a threshold from super-group maxima, then only the logits >= it are
-    sorted; 142.5 us at B=64, L=15, V=163840, k=32 on the H200), "compact" (bisection over all group
-    maxima; 219 us) or "sort" (sorts every logit of the candidate groups; 443 us); same output.
+    variant: "thresh" (default: _partials2_kernel then _select_thresh_kernel: a threshold from
+    super-group maxima, then only the logits >= it are sorted; 135 us at B=64, L=15, V=163840, k=32,
+    bf16, on the H200, 2026-12-02, against 97 us for torch.amax to read the same logits), "fused" (the
+    same partials and select in one launch, the last program of each row doing the select; 183 us:
+    the selects hold their block slots and slow the stream), "compact" (bisection over all group
+    maxima; 198 us) or "sort" (sorts every logit of the candidate groups; 443 us); same output.
     counter ("fused" only): int32 [B * L] zeros on the logits' device, left zeroed by the launch; the
     caller keeps it and must not share it between launches that may overlap (another stream, another
     graph). Default: a fresh zeroed buffer per call (one memset), safe everywhere.
     Tuning knobs (tests shrink them to reach the fallbacks at small shapes): group (G logits per
     group max), max_groups (MAXG, the fast path's capacity in groups), max_compact (KC, its capacity
-    in logits), chunk (logits per program of the partials; default 8192 for "fused", 4096 otherwise),
-    super_group (S, "thresh" / "fused"), partial_warps (the "fused" launch's warps too) / select_warps
-    ("thresh" only). Under the Triton interpreter (CPU) the defaults are smaller, as its register sort
-    costs seconds per row at the GPU's sizes.
+    in logits), chunk (logits per program of the partials; default 8192 for "thresh" / "fused", 4096
+    otherwise), super_group (S, "thresh" / "fused"; default 1024 for "thresh", 512 for "fused"),
+    partial_warps (the "fused" launch's warps too) / select_warps ("thresh" only). Under the Triton
+    interpreter (CPU) the defaults are smaller, as its register sort costs seconds per row at the GPU's
+    sizes.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
@@ -486,7 +489,7 @@ def logits_topk(
     return lp, ids
 
 
-def _plan(logits, k, *, variant="fused", counter=None, group=None, max_groups=None, max_compact=None,
+def _plan(logits, k, *, variant="thresh", counter=None, group=None, max_groups=None, max_compact=None,
           chunk=None, super_group=None, partial_warps=4, select_warps=4):  # fmt: skip
     """Output and scratch buffers and the launches of logits_topk as closures (the partials, then the
     select; one for "fused"), so that scripts/probe_topk.py can time each launch alone."""
@@ -503,7 +506,7 @@ def _plan(logits, k, *, variant="fused", counter=None, group=None, max_groups=No
     ids = torch.empty((b, depth, k), dtype=torch.int64, device=dev)
     if rows == 0:
         return lp, ids, ()
-    chunk = chunk or (1024 if interpreting else 8192 if variant == "fused" else 4096)
+    chunk = chunk or (1024 if interpreting else 8192 if variant in ("thresh", "fused") else 4096)
     chunk = max(group, min(chunk, triton.next_power_of_2(vocab)))
     n_groups, n_chunks = triton.cdiv(vocab, group), triton.cdiv(vocab, chunk)
     gmax = torch.empty((rows, n_groups), dtype=torch.float32, device=dev)
@@ -515,7 +518,8 @@ def _plan(logits, k, *, variant="fused", counter=None, group=None, max_groups=No
     nchp = triton.next_power_of_2(n_chunks)
     shift = _KEY_SHIFT.get(logits.dtype, 0)
     if variant in ("thresh", "fused"):
-        sup = min(chunk, max(group, super_group or (64 if interpreting else 512)))
+        default_sup = 64 if interpreting else 1024 if variant == "thresh" else 512
+        sup = min(chunk, max(group, super_group or default_sup))
         n_sup = triton.cdiv(vocab, sup)
         smax = torch.empty((rows, n_sup), dtype=torch.float32, device=dev)
         maxg = max_groups or max(16 if interpreting else 64, triton.next_power_of_2(4 * k))

@@ -174,17 +174,18 @@ def _top_p_cutoff(sorted_x: torch.Tensor, temperature: float, top_p: float) -> t
 
 
 def sampling_cutoffs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0):
-    """logits [B, N, V] -> cutoffs [B, N] float32 raw logits (-inf: no filter), on the logits' device."""
-    x = logits.float()
-    cut = torch.full(x.shape[:-1], float("-inf"), dtype=torch.float32, device=x.device)
-    vocab = x.shape[-1]
+    """logits [B, N, V] -> cutoffs [B, N] float32 raw logits (-inf: no filter), on the logits' device.
+    Selection runs on the logits in their own dtype and only the selected values are widened (rounding
+    to float32 is monotone, so the cutoffs are those of the widened logits): no [B, N, V] float32 copy
+    unless top-p without top-k has to sort the whole vocab."""
+    cut = torch.full(logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
+    vocab = logits.shape[-1]
+    top = None
     if 0 < top_k < vocab:
-        top = torch.topk(x, top_k, dim=-1).values  # sorted descending
+        top = torch.topk(logits, top_k, dim=-1).values.float()  # sorted descending
         cut = top[..., -1]
-    else:
-        top = None
     if top_p < 1.0 and vocab:
-        sorted_x = top if top is not None else torch.sort(x, dim=-1, descending=True).values
+        sorted_x = top if top is not None else torch.sort(logits, dim=-1, descending=True).values.float()
         cut = torch.maximum(cut, _top_p_cutoff(sorted_x, temperature, top_p))
     return cut.contiguous()
 
