@@ -54,7 +54,7 @@ def build_tree_from_logits(
     v.check_rank(logits, "draft_logits", 3, "[B, L, V]")
     if logits.shape[-1] == 0:
         raise ValueError("draft_logits: V (last dim) must be >= 1")
-    v.check_float(logits, "draft_logits")
+    v.require_float(logits, "draft_logits")
     if validate and v.can_read(logits):
         v.check_finite(logits, "draft_logits")
     if resolve_impl(impl, logits.device) == "triton":
@@ -183,7 +183,7 @@ def accept_sampled(
     shape = (tree.batch_size, tree.budget + 1)
     if tuple(logits.shape[:2]) != shape or logits.shape[-1] == 0:
         raise ValueError(f"target_logits: expected shape {shape + ('V>=1',)}, got {tuple(logits.shape)}")
-    v.check_float(logits, "target_logits")
+    v.require_float(logits, "target_logits")
     v.check_same_device({"tree": tree.tokens, "target_logits": logits})
     noise = _check_noise(noise, generator, seed, offset, logits)
     cutoffs = ref_sampling.sampling_cutoffs(logits, temperature, top_k, top_p)

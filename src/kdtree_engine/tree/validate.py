@@ -40,9 +40,15 @@ def check_rank(x: torch.Tensor, name: str, rank: int, dims: str) -> None:
         raise ValueError(f"{name}: expected rank {rank} {dims}, got shape {tuple(x.shape)}")
 
 
-def check_float(x: torch.Tensor, name: str) -> torch.Tensor:
+def require_float(x: torch.Tensor, name: str) -> None:
+    """Checks the dtype only (no copy: the logits can be gigabytes)."""
     if not x.is_floating_point():
         raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
+
+
+def check_float(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Checks the dtype and returns x as float32 (a copy unless it already is)."""
+    require_float(x, name)
     return x.float()
 
 
