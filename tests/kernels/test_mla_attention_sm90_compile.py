@@ -1,0 +1,86 @@
+"""The sm_90 Gluon attention kernels, compiled on the CPU for an H200 (sm_90a) with the ptxas and
+cuobjdump shipped in the Triton wheel. The interpreter cannot run Gluon, so this is what CI checks of
+them without a GPU: they build for every variant and cache layout, fit the 227 KB of shared memory,
+spill nothing, and issue the tensor-core products of the design: per warpgroup and tile, 36 score
+products of width BN / 2 (the score tile is split by columns between the two warpgroups: each score
+is computed once) and BN / 16 P V products of width 256 (half of d_c each). Numerics are checked by
+the GPU tests in test_mla_attention.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMPILE = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kdtree_engine.kernels import mla_attention_sm90 as k
+
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "seqlens_ptr": "*i32", "bt_ptr": "*i32", "part_ptr": "*fp32",
+       "plse_ptr": "*fp32", "T": "i32", "M": "i32", "num_splits": "i32", "qk_scale": "fp32"}
+sig.update({name: "i32" for name in ("page_size", "stride_qb", "stride_kb", "stride_ks", "stride_btb",
+                                     "stride_pb", "stride_ps", "stride_lb", "stride_ls")})
+sig.update({name: "constexpr" for name in ("D_C", "D_R", "BM", "BN", "PAGED", "num_warps")})
+names = list(sig)
+aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_qb", "stride_kb", "stride_ks", "stride_pb",
+                                                           "stride_ps", "stride_lb", "stride_ls")]
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
+found = {}
+for variant, (fn, bn) in k.VARIANTS.items():
+    for paged in (False, True):
+        cst = {"D_C": 512, "D_R": 64, "BM": k.BLOCK_M, "BN": bn, "PAGED": paged, "num_warps": k.NUM_WARPS}
+        kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": k.NUM_WARPS})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"]); f.flush()
+            sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
+                                  capture_output=True, text=True, check=True).stdout
+            res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name],
+                                 capture_output=True, text=True, check=True).stdout
+        mma = {}
+        for shape in re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass):
+            mma[shape] = mma.get(shape, 0) + 1
+        found[f"{variant}-{'paged' if paged else 'contiguous'}"] = {
+            "bn": bn, "shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
+            "mma": mma}
+print(json.dumps(found))
+"""
+
+MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
+        pytest.skip("this Triton wheel ships no ptxas / cuobjdump")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("variant", ["double", "wide"])
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_sm90_kernel_builds_as_designed(compiled, variant, cache):
+    got = compiled[f"{variant}-{cache}"]
+    bn = got["bn"]
+    assert got["shared"] <= MAX_SHARED, got
+    assert got["local"] == 0, f"register spills: {got}"
+    # per warpgroup and tile: (512 + 64) / 16 score products, each BN / 2 columns wide; BN / 16 P V
+    # products over half of d_c; nothing else
+    assert got["mma"] == {f"64x{bn // 2}x16": 36, "64x256x16": bn // 16}, got["mma"]
