@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -10,6 +11,8 @@ from kdtree_engine.impl import capturing, resolve_impl
 from kdtree_engine.ref import mla_attention as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: impl="ref" only
+BACKENDS = ("auto", "triton", "sm90", "sm90-double", "sm90-wide")  # kernels.mla_attention.BACKENDS
+BACKEND_ENV = "KDTREE_ATTENTION_BACKEND"
 INT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -24,6 +27,7 @@ def tree_mla_attention(
     ancestor_bits: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     impl: str | None = None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of t tree (or new) tokens per request over its cached prefix plus the tree itself.
 
@@ -35,10 +39,15 @@ def tree_mla_attention(
     Row i of the mask must see itself (diagonal set). Returns out [b, t, h, d_v] in q's dtype and
     lse [b, t, h] float32 (float64 for float64 q; natural log). Value checks (lengths, diagonal, pages)
     need one host sync and are skipped while a CUDA graph is being captured.
+    backend (kernels only): "auto" (default: the Hopper Gluon kernel for the prefix where it applies,
+    see docs/attention.md, else the Triton kernel), "triton" (the Triton kernel alone), "sm90",
+    "sm90-double", "sm90-wide"; None reads the environment variable KDTREE_ATTENTION_BACKEND (so a
+    whole model can be switched), else "auto".
     """
     _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
     max_seqlen = _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table)
     b, t = q.shape[:2]
+    backend = _check_backend(backend)
     chosen = resolve_impl(impl, q.device)
     if q.dtype == torch.float64:
         _expect(impl != "triton", "q", "float64 runs only with impl='ref' (the kernels take bf16/fp16/fp32)")
@@ -57,6 +66,7 @@ def tree_mla_attention(
             ancestor_bits=ancestor_bits,
             causal=visibility is None and ancestor_bits is None,
             max_seqlen=max_seqlen,
+            backend=backend,
         )
     if visibility is None:
         if ancestor_bits is not None:
@@ -65,6 +75,17 @@ def tree_mla_attention(
             visibility = torch.ones(t, t, dtype=torch.bool, device=q.device).tril().expand(b, t, t)
     out, lse = ref.tree_mla_attention(q, kv_cache, cache_seqlens, visibility, softmax_scale, d_v, block_table)
     return out.to(q.dtype), lse
+
+
+def _check_backend(backend: str | None) -> str:
+    if backend is None:
+        env = os.environ.get(BACKEND_ENV)
+        if env is None:
+            return "auto"
+        _expect(env in BACKENDS, BACKEND_ENV, f"expected one of {BACKENDS}, got {env!r}")
+        return env
+    _expect(backend in BACKENDS, "backend", f"expected one of {BACKENDS} or None, got {backend!r}")
+    return backend
 
 
 def _expect(ok: bool, name: str, what: str) -> None:

@@ -290,6 +290,30 @@ def test_backend_argument_is_checked(device):
         kernels.tree_mla_attention(*args, 0.1, 32, backend="sm90")
 
 
+def test_public_backend_choice(device, monkeypatch):
+    """The public op's backend= (or KDTREE_ATTENTION_BACKEND) reaches the kernels; bad values are
+    refused at the boundary, naming the argument or the variable."""
+    from kdtree_engine import attention
+
+    assert attention.BACKENDS == kernels.BACKENDS
+    gen = torch.Generator().manual_seed(1)
+    q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
+    q, kv, lengths, vis = (x.to(device) for x in (q, kv, lengths, vis))
+    kw = dict(softmax_scale=0.1, d_v=32, visibility=vis, impl="triton")
+    want, _ = tree_mla_attention(q, kv, lengths, **kw)
+    got, _ = tree_mla_attention(q, kv, lengths, backend="triton", **kw)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="^backend:"):
+        tree_mla_attention(q, kv, lengths, backend="cuda", **kw)
+    with pytest.raises(ValueError, match="^backend:"):  # float32, d = 32 + 8: not the sm90 shapes
+        tree_mla_attention(q, kv, lengths, backend="sm90", **kw)
+    monkeypatch.setenv("KDTREE_ATTENTION_BACKEND", "triton")
+    assert torch.equal(tree_mla_attention(q, kv, lengths, **kw)[0], want)
+    monkeypatch.setenv("KDTREE_ATTENTION_BACKEND", "fast")
+    with pytest.raises(ValueError, match="^KDTREE_ATTENTION_BACKEND:"):
+        tree_mla_attention(q, kv, lengths, **kw)
+
+
 def test_float64_runs_the_reference_and_refuses_the_kernel():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 3, 2, 40, generator=g, dtype=torch.float64)
