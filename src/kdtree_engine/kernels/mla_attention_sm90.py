@@ -67,6 +67,54 @@ def _issue_tile(kc_buf, kr_buf, kv_ptr, b, first, bt_ptr, stride_btb, stride_kb,
 
 
 @gluon.jit
+def _split_tiles(seqlens_ptr, b, T, split, num_splits, BN: gl.constexpr):
+    """(first tile, tile count) of this split: the whole BN-slot tiles inside request b's prefix, cut
+    into num_splits runs of consecutive tiles (a split past the end gets none)."""
+    seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
+    n_full = (seqlen - T) // BN
+    per = gl.cdiv(n_full, num_splits)
+    t_lo = split * per
+    return t_lo, gl.maximum(gl.minimum(n_full - t_lo, per), 0)
+
+
+@gluon.jit
+def _load_q(q_ptr, b, pid_m, M, stride_qb, D_C: gl.constexpr, D_R: gl.constexpr, BM: gl.constexpr,
+            LD_C: gl.constexpr, LD_R: gl.constexpr):  # fmt: skip
+    """The BM query rows of block pid_m of request b: (latent part [BM, D_C] in LD_C, rope part
+    [BM, D_R] in LD_R); rows past M are zeros."""
+    D: gl.constexpr = D_C + D_R
+    rows_c = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, LD_C))
+    cols_c = gl.arange(0, D_C, gl.SliceLayout(0, LD_C))
+    q_base = q_ptr + b.to(gl.int64) * stride_qb + rows_c.to(gl.int64)[:, None] * D
+    q_c = gl.load(q_base + cols_c[None, :], mask=(rows_c < M)[:, None] & (cols_c >= 0)[None, :], other=0.0)
+    rows_r = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, LD_R))
+    cols_r = gl.arange(0, D_R, gl.SliceLayout(0, LD_R))
+    q_r = gl.load(
+        q_ptr + b.to(gl.int64) * stride_qb + rows_r.to(gl.int64)[:, None] * D + D_C + cols_r[None, :],
+        mask=(rows_r < M)[:, None] & (cols_r >= 0)[None, :],
+        other=0.0,
+    )
+    return q_c, q_r
+
+
+@gluon.jit
+def _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout: gl.constexpr):
+    """One tile's softmax step: scores s (raw, both warpgroups' column halves) -> P (bf16/fp16) in
+    p_smem, visible to every warp on return; running max m_i and sum l_i updated; acc rescaled to the
+    new max, ready for acc += P V. Returns (acc, m_i, l_i)."""
+    s = s * qk_scale
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return acc, m_new, l_i
+
+
+@gluon.jit
 def _store_partial(acc, m_i, l_i, part_ptr, plse_ptr, b, split, pid_m, M, stride_pb, stride_ps, stride_lb,
                    stride_ls, D_C: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
                    o_layout: gl.constexpr):  # fmt: skip
@@ -118,14 +166,8 @@ def _prefix_kernel(
     split = gl.program_id(1)
     b = gl.program_id(2)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    D: gl.constexpr = D_C + D_R
 
-    # Whole tiles inside the prefix, cut into num_splits runs of consecutive tiles.
-    seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
-    n_full = (seqlen - T) // BN
-    per = gl.cdiv(n_full, num_splits)
-    t_lo = split * per
-    n_tiles = gl.maximum(gl.minimum(n_full - t_lo, per), 0)
+    t_lo, n_tiles = _split_tiles(seqlens_ptr, b, T, split, num_splits, BN)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
@@ -142,17 +184,7 @@ def _prefix_kernel(
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
 
     # Query rows of this block, staged in shared memory once.
-    rows_c = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_c))
-    q_base = q_ptr + b.to(gl.int64) * stride_qb + rows_c.to(gl.int64)[:, None] * D
-    cols_c = gl.arange(0, D_C, gl.SliceLayout(0, ld_c))
-    q_c = gl.load(q_base + cols_c[None, :], mask=(rows_c < M)[:, None] & (cols_c >= 0)[None, :], other=0.0)
-    rows_r = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_r))
-    cols_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
-    q_r = gl.load(
-        q_ptr + b.to(gl.int64) * stride_qb + rows_r.to(gl.int64)[:, None] * D + D_C + cols_r[None, :],
-        mask=(rows_r < M)[:, None] & (cols_r >= 0)[None, :],
-        other=0.0,
-    )
+    q_c, q_r = _load_q(q_ptr, b, pid_m, M, stride_qb, D_C, D_R, BM, ld_c, ld_r)
     qc_smem = gl.allocate_shared_memory(dtype, [BM, D_C], qc_sl, q_c)
     qr_smem = gl.allocate_shared_memory(dtype, [BM, D_R], qr_sl, q_r)
     kc_smem = gl.allocate_shared_memory(dtype, [2, BN, D_C], kc_sl)
@@ -181,16 +213,7 @@ def _prefix_kernel(
                     stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED,
                     ld_c, ld_r)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = s * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
         acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)  # this thread's part of tile i + 1 landed
@@ -255,11 +278,7 @@ def _prefix_wide_kernel(
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     D: gl.constexpr = D_C + D_R
 
-    seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
-    n_full = (seqlen - T) // BN
-    per = gl.cdiv(n_full, num_splits)
-    t_lo = split * per
-    n_tiles = gl.maximum(gl.minimum(n_full - t_lo, per), 0)
+    t_lo, n_tiles = _split_tiles(seqlens_ptr, b, T, split, num_splits, BN)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
@@ -275,17 +294,7 @@ def _prefix_wide_kernel(
     kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_R], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
 
-    rows_c = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_c))
-    cols_c = gl.arange(0, D_C, gl.SliceLayout(0, ld_c))
-    q_base = q_ptr + b.to(gl.int64) * stride_qb + rows_c.to(gl.int64)[:, None] * D
-    q_c = gl.load(q_base + cols_c[None, :], mask=(rows_c < M)[:, None] & (cols_c >= 0)[None, :], other=0.0)
-    rows_r = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, ld_r))
-    cols_r = gl.arange(0, D_R, gl.SliceLayout(0, ld_r))
-    q_r = gl.load(
-        q_ptr + b.to(gl.int64) * stride_qb + rows_r.to(gl.int64)[:, None] * D + D_C + cols_r[None, :],
-        mask=(rows_r < M)[:, None] & (cols_r >= 0)[None, :],
-        other=0.0,
-    )
+    q_c, q_r = _load_q(q_ptr, b, pid_m, M, stride_qb, D_C, D_R, BM, ld_c, ld_r)
     q_r = gl.convert_layout(q_r, qr_reg)
     qc_smem = gl.allocate_shared_memory(dtype, [BM, D_C], qc_sl, q_c)
     kc_smem = gl.allocate_shared_memory(dtype, [BN, D_C], kc_sl)
@@ -309,16 +318,7 @@ def _prefix_wide_kernel(
         _prefetch_l2(kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles,
                      D, BN, PAGED, num_warps)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = s * qk_scale
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
         acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp is done with the tile and p_smem
