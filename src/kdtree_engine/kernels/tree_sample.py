@@ -30,6 +30,16 @@ _GUMBEL_MAX = tl.constexpr(ref.GUMBEL_MAX)
 
 
 @triton.jit
+def _keep_best(score, offs, V, best, best_id):
+    """Running argmax over vocab tiles: this tile's best score (smallest id among ties) replaces
+    (best, best_id) only if strictly better, so an earlier tile keeps ties."""
+    top = tl.max(score, axis=0)
+    top_id = tl.min(tl.where(score == top, offs, V), axis=0)
+    better = top > best
+    return tl.where(better, top, best), tl.where(better, top_id, best_id)
+
+
+@triton.jit
 def _sample_kernel(x_ptr, g_ptr, cut_ptr, out_ptr, V, temperature, BLOCK: tl.constexpr, NT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cut = tl.load(cut_ptr + row)
@@ -41,11 +51,7 @@ def _sample_kernel(x_ptr, g_ptr, cut_ptr, out_ptr, V, temperature, BLOCK: tl.con
         x = tl.load(x_ptr + row * V + offs, mask=inside, other=float("-inf")).to(tl.float32)
         g = tl.load(g_ptr + row * V + offs, mask=inside, other=0.0)
         score = tl.where(inside & (x >= cut), tl.math.div_rn(x, temperature) + g, float("-inf"))
-        top = tl.max(score, axis=0)
-        top_id = tl.min(tl.where(score == top, offs, V), axis=0)
-        better = top > best  # strictly: an earlier tile keeps ties
-        best = tl.where(better, top, best)
-        best_id = tl.where(better, top_id, best_id)
+        best, best_id = _keep_best(score, offs, V, best, best_id)
     tl.store(out_ptr + row, best_id)
 
 
@@ -122,11 +128,7 @@ def _sample_seeded_kernel(
         if tl.max(q, axis=0) + _GUMBEL_MAX > best:  # else no score here can beat best (ties: earlier)
             h = _mix32(_mix32(offs.to(tl.uint32) ^ r0) ^ r1).to(tl.int64)
             score = q + _seeded_gumbel(h, recip_ptr, log_ptr)
-            top = tl.max(score, axis=0)
-            top_id = tl.min(tl.where(score == top, offs, V), axis=0)
-            better = top > best
-            best = tl.where(better, top, best)
-            best_id = tl.where(better, top_id, best_id)
+            best, best_id = _keep_best(score, offs, V, best, best_id)
     tl.store(out_ptr + row, best_id)
 
 

@@ -34,11 +34,17 @@ NONE = tl.constexpr(-(2**63))  # below every packed key
 
 
 @triton.jit
-def _ordered(x):
-    """float32 -> int64 key with the same order; -0.0 is folded onto +0.0 (they tie as floats)."""
+def _ordered32(x):
+    """float32 -> int32 key with the same order; -0.0 is folded onto +0.0 (they tie as floats)."""
     x = tl.where(x == 0.0, 0.0, x)
     bits = x.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _ordered(x):
+    """_ordered32 widened to int64 (room for the id below it in packed keys)."""
+    return _ordered32(x).to(tl.int64)
 
 
 @triton.jit
@@ -275,14 +281,6 @@ def _select_compact_kernel(
             done += 1
     if done == 0:
         _slow_select(x_ptr, glist, keys_ptr + row * KS, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
-
-
-@triton.jit
-def _ordered32(x):
-    """float32 -> int32 key with the same order (_ordered without the widening)."""
-    x = tl.where(x == 0.0, 0.0, x)
-    bits = x.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
