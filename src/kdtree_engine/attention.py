@@ -11,7 +11,8 @@ from kdtree_engine.impl import capturing, resolve_impl
 from kdtree_engine.ref import mla_attention as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: impl="ref" only
-BACKENDS = ("auto", "triton", "sm90", "sm90-double", "sm90-wide")  # kernels.mla_attention.BACKENDS
+# the sm90-* names are "sm90-" + kernels.mla_attention_sm90.VARIANTS (a test holds them equal)
+BACKENDS = ("auto", "triton", "sm90", "sm90-double", "sm90-wide")
 BACKEND_ENV = "KDTREE_ATTENTION_BACKEND"
 INT_DTYPES = (torch.int32, torch.int64)
 

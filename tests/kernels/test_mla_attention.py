@@ -294,8 +294,10 @@ def test_public_backend_choice(device, monkeypatch):
     """The public op's backend= (or KDTREE_ATTENTION_BACKEND) reaches the kernels; bad values are
     refused at the boundary, naming the argument or the variable."""
     from kdtree_engine import attention
+    from kdtree_engine.kernels import mla_attention_sm90 as sm90
 
     assert attention.BACKENDS == kernels.BACKENDS
+    assert {name[5:] for name in attention.BACKENDS if name.startswith("sm90-")} == set(sm90.VARIANTS)
     gen = torch.Generator().manual_seed(1)
     q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
     q, kv, lengths, vis = (x.to(device) for x in (q, kv, lengths, vis))

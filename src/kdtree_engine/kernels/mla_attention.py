@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.attention import BACKENDS  # defined with the public op (no triton import there)
+
 LOG2E = 1.4426950408889634
 MASK_VISIBILITY, MASK_BITS, MASK_CAUSAL = 0, 1, 2
 
@@ -351,9 +353,6 @@ def _mask_args(visibility, ancestor_bits, causal, dummy):
         return MASK_BITS, ancestor_bits, ancestor_bits.stride(0), 0
     vis = visibility.view(torch.uint8) if visibility.dtype == torch.bool else visibility
     return MASK_VISIBILITY, vis, vis.stride(0), vis.stride(1)
-
-
-BACKENDS = ("auto", "triton", "sm90", "sm90-double", "sm90-wide")
 
 
 def _sm90_ok(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, rows: int) -> bool:
