@@ -25,6 +25,8 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from kdtree_engine.kernels import tree as kernels
 from kdtree_engine.kernels import tree_topk
@@ -42,6 +44,17 @@ VARIANTS = [  # (name, knobs); measured 2026-12-02 13:06 UTC: see docs/tree_kern
     ("compact (older)", {"variant": "compact"}),
 ]
 SLOW_PATH = VARIANTS[:2]  # run on "ties_heavy"
+SWEEP = [  # --sweep: launch-shape knobs of the default "thresh", on "random" only
+    ("thresh partial_warps=2", {"partial_warps": 2}),
+    ("thresh partial_warps=8", {"partial_warps": 8}),
+    ("thresh ch=16384", {"chunk": 16384}),
+    ("thresh ch=16384 pw=8", {"chunk": 16384, "partial_warps": 8}),
+    ("thresh ch=4096 S=1024", {"chunk": 4096}),
+    ("thresh G=64", {"group": 64}),
+    ("thresh G=16", {"group": 16}),
+    ("thresh select_warps=2", {"select_warps": 2}),
+    ("thresh select_warps=8", {"select_warps": 8}),
+]
 
 
 def time_us(fn, reps: int = REPS) -> float:
@@ -123,11 +136,26 @@ def probe_variant(name, knobs, x, want, kind: str, reps: int) -> dict:
     return row
 
 
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, N, CH: tl.constexpr):
+    """Reads CH elements (16-byte vectors) and writes their float32 sum: a pure read of the logits."""
+    offs = tl.program_id(0).to(tl.int64) * CH + tl.arange(0, CH)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs, mask=offs < N).to(tl.float32)))
+
+
+def triton_read(x, chunk: int, warps: int):
+    sums = torch.empty(triton.cdiv(x.numel(), chunk), dtype=torch.float32, device=x.device)
+    return partial(_read_kernel[(sums.numel(),)], x, sums, x.numel(), CH=chunk, num_warps=warps)
+
+
 def floors(x) -> list[dict]:
     out = []
     dst = torch.empty_like(x)
-    for name, fn in (("read floor: torch.amax(logits, -1)", lambda: torch.amax(x, dim=-1)),
-                     ("read+write: dst.copy_(logits)", lambda: dst.copy_(x))):  # fmt: skip
+    cases = [("read floor: torch.amax(logits, -1)", lambda: torch.amax(x, dim=-1)),
+             ("read+write: dst.copy_(logits)", lambda: dst.copy_(x))]  # fmt: skip
+    for chunk, warps in ((8192, 4), (16384, 8), (32768, 8)):
+        cases.append((f"read floor: Triton sum ch={chunk} w={warps}", triton_read(x, chunk, warps)))
+    for name, fn in cases:
         try:
             out.append({"input": "random", "variant": name, "total_us": time_us(fn), "ok": True})
         except Exception as exc:  # noqa: BLE001
@@ -188,6 +216,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("out/topk"))
     ap.add_argument("--budget-s", type=float, default=200.0, help="no new variant starts after this")
+    ap.add_argument("--sweep", action="store_true", help="also time the SWEEP knob settings (random only)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -201,6 +230,10 @@ def main() -> None:
                 rows.append({"input": kind, "variant": name, "ok": False, "error": "skipped: time budget"})
                 continue
             rows.append(probe_variant(name, knobs, inputs[kind], wants[kind], kind, REPS))
+    for name, knobs in SWEEP if args.sweep else ():
+        if time.monotonic() - start > args.budget_s:
+            break
+        rows.append(probe_variant(name, knobs, inputs["random"], wants["random"], "random", REPS))
     for name, knobs in SLOW_PATH:  # slow path stress: few repeats, guarded
         if time.monotonic() - start > args.budget_s:
             break
