@@ -35,9 +35,12 @@ if [ "$what" != tests ]; then
     "${peer[@]}" 2>&1 | tee "$R/bench_tree.log" || status=1
   # the issue's shapes that the goals name (the full default grid takes longer than one device call)
   timeout "$T_ATTN" python3 -m kdtree_engine bench attention --out "$R/attention" --heads 64 8 \
-    --tokens 1 9 33 --seqlens 4096 32768 --batch 16 --rep 30 2>&1 | tee "$R/bench_attention.log" || status=1
+    --tokens 1 9 33 --seqlens 4096 32768 --batch 16 --rep 30 --sm90-variants 2>&1 | tee "$R/bench_attention.log" \
+    || status=1
   # per-launch times of the vocab top-k variants (partials / select), exactness checked
-  timeout "$T_TOPK" python3 scripts/probe_topk.py --out "$R/topk" --budget-s $((T_TOPK - 20)) 2>&1 \
+  sweep=()
+  [ "${PROBE_SWEEP:-0}" = 1 ] && sweep=(--sweep)
+  timeout "$T_TOPK" python3 scripts/probe_topk.py --out "$R/topk" --budget-s $((T_TOPK - 20)) "${sweep[@]}" 2>&1 \
     | tail -40 | tee "$R/probe_topk.log" || status=1
 fi
 tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results

@@ -35,25 +35,23 @@ from kdtree_engine.ref import tree as ref
 B, L, V, K = 64, 15, 163840, 32
 REPS, PER_GRAPH = 20, 10
 KEPT = "kept"  # knob value: a zeroed counter buffer made once per input and reused
-VARIANTS = [  # (name, knobs); measured 2026-12-02 13:06 UTC: see docs/tree_kernels.md
-    ("thresh (default, ch=8192 S=1024)", {}),
+VARIANTS = [  # (name, knobs); measured 2026-12-02: see docs/tree_kernels.md
+    ("thresh (default, ch=2048 pw=1 S=1024)", {}),
+    ("thresh ch=8192 pw=4 (earlier default)", {"chunk": 8192, "partial_warps": 4}),
     ("fused (ch=8192 S=512)", {"variant": "fused"}),
-    ("thresh ch=4096 S=512 (earlier default)", {"variant": "thresh", "chunk": 4096, "super_group": 512}),
     ("fused kept counter", {"variant": "fused", "counter": KEPT}),
     ("fused S=1024", {"variant": "fused", "super_group": 1024}),
     ("compact (older)", {"variant": "compact"}),
 ]
-SLOW_PATH = VARIANTS[:2]  # run on "ties_heavy"
-SWEEP = [  # --sweep: launch-shape knobs of the default "thresh", on "random" only
-    ("thresh partial_warps=2", {"partial_warps": 2}),
-    ("thresh partial_warps=8", {"partial_warps": 8}),
-    ("thresh ch=16384", {"chunk": 16384}),
-    ("thresh ch=16384 pw=8", {"chunk": 16384, "partial_warps": 8}),
-    ("thresh ch=4096 S=1024", {"chunk": 4096}),
-    ("thresh G=64", {"group": 64}),
-    ("thresh G=16", {"group": 16}),
-    ("thresh select_warps=2", {"select_warps": 2}),
-    ("thresh select_warps=8", {"select_warps": 8}),
+SLOW_PATH = [VARIANTS[0], VARIANTS[2]]  # the default and "fused", run on "ties_heavy"
+SWEEP = [  # --sweep: launch-shape knobs of the default "thresh", on "random" only. Measured 14:13 UTC:
+    # partial / select warps 2 / 8, chunk 16384, groups of 16 / 64 were slower than ch=8192 pw=4; 14:34
+    # UTC: a persistent partials launch (next chunk loaded during this one's math) took 145-213 us;
+    # 14:46 UTC: one warp per 2048 logits 89 us (4096: 92; 2 warps per 4096: 95), per-group exps slower.
+    ("thresh pw=1 ch=1024", {"partial_warps": 1, "chunk": 1024}),
+    ("thresh pw=1 ch=1024 S=512", {"partial_warps": 1, "chunk": 1024, "super_group": 512}),
+    ("thresh pw=2 ch=2048", {"partial_warps": 2, "chunk": 2048}),
+    ("thresh pw=1 ch=2048 S=2048", {"partial_warps": 1, "chunk": 2048, "super_group": 2048}),
 ]
 
 

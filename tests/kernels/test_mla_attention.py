@@ -74,13 +74,20 @@ def assert_close(name, got, want, tol):
     )
 
 
-def check(device, b, t, h, d_c, d_r, prefixes, dtype, page, tree, seed, **kernel_kwargs):
+def check(device, b, t, h, d_c, d_r, prefixes, dtype, page, tree, seed, mask="visibility", **kernel_kwargs):
+    """Kernel vs reference; mask: how the kernel gets the tree ("visibility", "bits": ancestor bits,
+    "causal": causal=True, for chain trees)."""
     gen = torch.Generator().manual_seed(seed)
     q, kv, lengths, vis, bits, bt = make_inputs(b, t, h, d_c, d_r, prefixes, dtype, page, tree, gen)
     scale = (d_c + d_r) ** -0.5 * 1.3
     want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c, bt)
     to = {"device": device}
     args = [x.to(**to) if x is not None else None for x in (q, kv, lengths, vis, bt)]
+    if mask == "bits":
+        args[3], kernel_kwargs = None, {**kernel_kwargs, "ancestor_bits": bits.to(**to)}
+    elif mask == "causal":
+        assert tree == "chain"
+        args[3], kernel_kwargs = None, {**kernel_kwargs, "causal": True}
     got_out, got_lse = kernels.tree_mla_attention(
         args[0], args[1], args[2], args[3], scale, d_c, args[4], **kernel_kwargs
     )
@@ -266,9 +273,9 @@ def test_gpu_split_counts(device, splits):
 # The sm_90 Gluon prefix kernel (kernels/mla_attention_sm90.py) serves bf16/fp16 with t*h > 16 on
 # Hopper under backend="auto"; the sweeps above run it there. These pin each backend explicitly.
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sm90-double", "sm90-wide", "triton"])
+@pytest.mark.parametrize("backend", ["sm90-sched", "sm90-double", "sm90-wide", "triton"])
 @pytest.mark.parametrize("page", [None, 1, 16, 64])
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("splits", [None, 1, 3, 5])
 def test_gpu_backends(device, backend, page, splits):
     from kdtree_engine.kernels import mla_attention_sm90 as sm90
 
@@ -278,6 +285,25 @@ def test_gpu_backends(device, backend, page, splits):
     dtype = torch.float16 if page == 16 else torch.bfloat16
     check(device, 5, 17, 16, 512, 64, [0, 63, 64, 129, 3000], dtype, page, "random", seed=7,
           num_splits=splits, backend=backend)  # fmt: skip
+
+
+# The "sched" kernel's mask modes, its schedule cutting row blocks at every place (splits: each row
+# block cut into that many runs, so programs start and end mid-block and span block edges), and the
+# causal fallback (causal calls take the "wide" prefix kernel plus the Triton tail).
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["visibility", "bits", "causal"])
+@pytest.mark.parametrize("splits", [None, 2, 7])
+@pytest.mark.parametrize(
+    "t,h,page", [(9, 64, None), (33, 8, 64), (64, 2, 1), (5, 16, None), (1, 8, None), (3, 1, 64)]
+)
+def test_gpu_sched(device, mask, splits, t, h, page):
+    from kdtree_engine.kernels import mla_attention_sm90 as sm90
+
+    if not sm90.supported_device(torch.device(device).index or 0):
+        pytest.skip("sm90 backend needs a compute capability 9.x GPU")
+    tree = "chain" if mask == "causal" else "random"
+    check(device, 4, t, h, 512, 64, [0, 127, 128, 700], torch.bfloat16, page, tree, seed=t + h,
+          mask=mask, num_splits=splits, backend="sm90-sched")  # fmt: skip
 
 
 def test_backend_argument_is_checked(device):

@@ -24,33 +24,49 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kdtree_engine.kernels import mla_attention_sm90 as k
 
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "seqlens_ptr": "*i32", "bt_ptr": "*i32", "part_ptr": "*fp32",
-       "plse_ptr": "*fp32", "T": "i32", "M": "i32", "num_splits": "i32", "qk_scale": "fp32"}
-sig.update({name: "i32" for name in ("page_size", "stride_qb", "stride_kb", "stride_ks", "stride_btb",
-                                     "stride_pb", "stride_ps", "stride_lb", "stride_ls")})
-sig.update({name: "constexpr" for name in ("D_C", "D_R", "BM", "BN", "PAGED", "num_warps")})
-names = list(sig)
-aligned = [n for n in names if n.endswith("_ptr") or n in ("stride_qb", "stride_kb", "stride_ks", "stride_pb",
-                                                           "stride_ps", "stride_lb", "stride_ls")]
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
+I32 = ("page_size", "stride_qb", "stride_kb", "stride_ks", "stride_btb", "stride_pb", "stride_ps",
+       "stride_lb", "stride_ls")
+ALIGNED = ("stride_qb", "stride_kb", "stride_ks", "stride_pb", "stride_ps", "stride_lb", "stride_ls")
+prefix_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "seqlens_ptr": "*i32", "bt_ptr": "*i32",
+              "part_ptr": "*fp32", "plse_ptr": "*fp32", "T": "i32", "M": "i32", "num_splits": "i32",
+              "qk_scale": "fp32"}
+prefix_sig.update({name: "i32" for name in I32})
+prefix_sig.update({name: "constexpr" for name in ("D_C", "D_R", "BM", "BN", "PAGED", "num_warps")})
+sched_sig = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "seqlens_ptr": "*i32", "bt_ptr": "*i32", "vis_ptr": "*u8",
+             "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32", "plse_ptr": "*fp32"}
+sched_sig.update({name: "i32" for name in ("T", "H", "M", "MB", "NT", "PER", "n_units")})
+sched_sig["qk_scale"] = "fp32"
+sched_sig.update({name: "i32" for name in I32[:5] + ("stride_vb", "stride_vi") + I32[5:]})
+CST = ("D_C", "D_R", "BM", "BN", "PAGED", "MASK_MODE", "num_warps")
+sched_sig.update({name: "constexpr" for name in CST})
+builds = [(v, v, paged, 0) for v in ("double", "wide") for paged in (False, True)]
+builds += [("sched", "sched", False, 0), ("sched", "sched", True, 0), ("sched-bits", "sched", False, 1)]
 found = {}
-for variant, (fn, bn) in k.VARIANTS.items():
-    for paged in (False, True):
-        cst = {"D_C": 512, "D_R": 64, "BM": k.BLOCK_M, "BN": bn, "PAGED": paged, "num_warps": k.NUM_WARPS}
-        kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": k.NUM_WARPS})
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"]); f.flush()
-            sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
-                                  capture_output=True, text=True, check=True).stdout
-            res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name],
-                                 capture_output=True, text=True, check=True).stdout
-        mma = {}
-        for shape in re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass):
-            mma[shape] = mma.get(shape, 0) + 1
-        found[f"{variant}-{'paged' if paged else 'contiguous'}"] = {
-            "bn": bn, "shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
-            "mma": mma}
+for name, variant, paged, mode in builds:
+    fn, bn = k.VARIANTS[variant]
+    sig = dict(sched_sig if variant == "sched" else prefix_sig)
+    if mode == 1:
+        sig["vis_ptr"] = "*i64"
+    names = list(sig)
+    aligned = [n for n in names if n.endswith("_ptr") or n in ALIGNED]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
+    cst = {"D_C": 512, "D_R": 64, "BM": k.BLOCK_M, "BN": bn, "PAGED": paged, "num_warps": k.NUM_WARPS}
+    if variant == "sched":
+        cst["MASK_MODE"] = mode
+    kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": k.NUM_WARPS})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"]); f.flush()
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
+                              capture_output=True, text=True, check=True).stdout
+        res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    mma = {}
+    for shape in re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass):
+        mma[shape] = mma.get(shape, 0) + 1
+    found[f"{name}-{'paged' if paged else 'contiguous'}"] = {
+        "bn": bn, "shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
+        "mma": mma}
 print(json.dumps(found))
 """
 
@@ -74,8 +90,11 @@ def compiled() -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", ["double", "wide"])
-@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+@pytest.mark.parametrize(
+    "variant, cache",
+    [(v, c) for v in ("sched", "double", "wide") for c in ("contiguous", "paged")]
+    + [("sched-bits", "contiguous")],
+)
 def test_sm90_kernel_builds_as_designed(compiled, variant, cache):
     got = compiled[f"{variant}-{cache}"]
     bn = got["bn"]

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=int, default=0, help="0: contiguous cache; else paged")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive torch baseline")
     parser.add_argument("--sweep", action="store_true", help="also time launch-config / split variants")
+    parser.add_argument("--sm90-variants", action="store_true",
+                        help="also time each sm_90 variant at its default schedule")  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per point, ms")
     parser.add_argument("--out", type=Path, default=Path("out/attention"), help="output directory")
 
@@ -148,6 +150,12 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
         row["speedup"] = naive_us / row["us"]
     if args.sweep:
         row["variants"] = sweep_variants(problems, ours, row["us"], args.rep)
+    elif args.sm90_variants and kernels._sm90_ok(p["q"], p["kv"], D_C, t * h, "sched"):
+        row["variants"] = [
+            {"config": v, "us": round(graph_us([ours(p, backend=v) for p in problems], args.rep), 2)}
+            for v in ("sm90-sched", "sm90-wide", "sm90-double", "triton")
+        ]
+        print(f"    sm90 variants: {row['variants']}", flush=True)
     problems.clear()
     torch.cuda.empty_cache()
     return row
@@ -171,7 +179,8 @@ def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
         found.append({"config": list(cand), "splits": splits, "us": round(us, 2)})
     p = problems[0]
     if kernels._sm90_ok(p["q"], p["kv"], D_C, p["q"].shape[1] * p["q"].shape[2]):
-        for variant, splits in itertools.product(("sm90-double", "sm90-wide"), (None, 1, 2, 4, 8, 16)):
+        variants = ("sm90-sched", "sm90-double", "sm90-wide")
+        for variant, splits in itertools.product(variants, (None, 1, 2, 4, 8, 16)):
             us = graph_us([ours(p, None, splits, variant) for p in problems], max(20, rep // 4))
             found.append({"config": variant, "splits": splits, "us": round(us, 2)})
     ranked = sorted((v for v in found if "us" in v), key=lambda v: v["us"])

@@ -15,7 +15,6 @@ Kernels assume validated inputs (attention.py validates at the public boundary).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -23,42 +22,10 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.attention import BACKENDS  # defined with the public op (no triton import there)
+from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 
 LOG2E = 1.4426950408889634
 MASK_VISIBILITY, MASK_BITS, MASK_CAUSAL = 0, 1, 2
-
-
-def _patch_interpreter() -> None:
-    """Two Triton 3.6 interpreter bugs (CPU only; compiled kernels are untouched): scalars are
-    1-element arrays whose `__index__` calls int(), which numpy >= 2.3 refuses, so `range()` over a
-    loaded bound fails; and `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns.
-    Index the element, and widen bf16 operands to float32 (exact) before the product."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_kdtree_patched", False):
-        return
-    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def widen(x):
-        if x.dtype != tl.bfloat16:
-            return x
-        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    interpreter._patch_lang_tensor = patched_tensor
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter._kdtree_patched = True
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter()
 
 
 @dataclass(frozen=True)
@@ -267,7 +234,9 @@ def _split_kv_kernel(
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + rows, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["M", "num_splits", "stride_pb", "stride_ps", "stride_lb", "stride_ls"])
+@triton.jit(
+    do_not_specialize=["M", "num_splits", "stride_pb", "stride_ps", "stride_lb", "stride_ls", "NT", "PER"]
+)
 def _merge_kernel(
     part_ptr,
     plse_ptr,
@@ -279,26 +248,39 @@ def _merge_kernel(
     stride_ps,
     stride_lb,
     stride_ls,
+    NT,
+    PER,
+    MB,
     D_C: tl.constexpr,
     BLOCK_DC: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SCHED_BM: tl.constexpr = 0,
 ):
-    """out[b, rows] = sum_s exp(lse_s - lse) * part_s, lse = logsumexp_s(lse_s)."""
+    """out[b, rows] = sum_s exp(lse_s - lse) * part_s, lse = logsumexp_s(lse_s).
+    SCHED_BM > 0: after the sm_90 "sched" kernel (row blocks of SCHED_BM rows, MB per request, NT tiles
+    each, PER tiles per program): a row block's slots are its programs, (rb*NT + NT-1)//PER - (rb*NT)//PER
+    + 1 of them; a row block with one program was written final by it and is left alone."""
     pid, b = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
+    n_slots = num_splits
+    if SCHED_BM > 0:
+        rb = b * MB + (pid * BLOCK_R) // SCHED_BM  # BLOCK_R divides SCHED_BM: one row block per program
+        n_slots = (rb * NT + NT - 1) // PER - (rb * NT) // PER + 1
+        row_ok = row_ok & (n_slots > 1)
     offs_dc = tl.arange(0, BLOCK_DC)
     lse_base = plse_ptr + b.to(tl.int64) * stride_lb + rows
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(lse_base + s * stride_ls, mask=row_ok, other=float("-inf")))
+        m = tl.maximum(m, tl.load(lse_base + s * stride_ls, mask=row_ok & (s < n_slots), other=float("-inf")))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_DC], tl.float32)
     mask = row_ok[:, None] & (offs_dc < D_C)[None, :]
     part_base = part_ptr + b.to(tl.int64) * stride_pb + rows[:, None].to(tl.int64) * D_C + offs_dc[None, :]
     for s in range(0, num_splits):
-        w = tl.exp(tl.load(lse_base + s * stride_ls, mask=row_ok, other=float("-inf")) - m_safe)  # [BR]
+        lse_s = tl.load(lse_base + s * stride_ls, mask=row_ok & (s < n_slots), other=float("-inf"))
+        w = tl.exp(lse_s - m_safe)  # [BR]
         part = tl.load(part_base + s * stride_ps, mask=mask & (w > 0)[:, None], other=0.0)
         acc += w[:, None] * part
         total += w
@@ -355,13 +337,17 @@ def _mask_args(visibility, ancestor_bits, causal, dummy):
     return MASK_VISIBILITY, vis, vis.stride(0), vis.stride(1)
 
 
-def _sm90_ok(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, rows: int) -> bool:
-    """The sm_90 prefix kernel needs Hopper, its shapes, and 16-byte aligned cache rows and queries."""
+def _sm90_ok(
+    q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, rows: int, variant: str | None = None
+) -> bool:
+    """The sm_90 kernels need Hopper, their shapes, and 16-byte aligned cache rows and queries; unless a
+    variant is pinned, also more than 16 query rows per request (fewer: the Triton kernel's 16-row
+    blocks waste less)."""
     from . import mla_attention_sm90 as sm90
 
     aligned = kv_cache.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
     aligned = aligned and kv_cache.stride(0) % 8 == 0 and kv_cache.stride(1) % 8 == 0
-    return aligned and sm90.applies(q, d_v, rows)
+    return aligned and sm90.applies(q, d_v) and (variant is not None or rows > 16)
 
 
 def tree_mla_attention(
@@ -383,11 +369,14 @@ def tree_mla_attention(
     """q [b, t, h, d] bf16/fp16/fp32; kv_cache [b, s_max, d] or [pages, page_size, d] with block_table
     [b, max_pages] int; cache_seqlens [b] int (prefix + t); visibility [b, t, t] bool, or ancestor_bits
     [b, t] int64, or causal=True. Returns out [b, t, h, d_v] in q's dtype and lse [b, t, h] float32.
-    max_seqlen (a bound on cache_seqlens, else the capacity) only steers the split count.
-    backend: "triton" (this module's kernel for everything), "sm90" (the Gluon prefix kernel of
-    mla_attention_sm90 for the whole prefix tiles, this module's kernel for the rest; Hopper, bf16/fp16,
-    d = 512 + 64, t*h > 16 only; "sm90-double" / "sm90-wide" pick its variant) or "auto" (sm90 where it
-    applies and no config is forced)."""
+    max_seqlen: a bound on cache_seqlens (else the capacity is used); it steers the split count, and
+    the sm_90 "sched" schedule covers exactly cdiv(max_seqlen, 128) tiles per row block, so it must
+    not be below a real length (the public op passes the exact maximum).
+    backend: "triton" (this module's kernel for everything), "sm90" (the Gluon kernels of
+    mla_attention_sm90; Hopper, bf16/fp16, d = 512 + 64, t*h > 16 only: by default the "sched" kernel,
+    the whole tree attention in one balanced launch, or for causal calls the "wide" prefix kernel for
+    the whole prefix tiles and this module's kernel for the rest; "sm90-sched" / "sm90-double" /
+    "sm90-wide" pick the variant) or "auto" (sm90 where it applies and no config is forced)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     b, t, h, d = q.shape
@@ -398,11 +387,12 @@ def tree_mla_attention(
     paged = block_table is not None
     capacity = block_table.shape[1] * kv_cache.shape[1] if paged else kv_cache.shape[1]
     sm90 = backend.startswith("sm90") or (backend == "auto" and config is None)
-    sm90 = sm90 and _sm90_ok(q, kv_cache, d_v, rows)
     variant = backend[5:] if backend.startswith("sm90-") else None
+    sm90 = sm90 and _sm90_ok(q, kv_cache, d_v, rows, variant)
     if backend.startswith("sm90") and not sm90:
         raise ValueError(
-            "backend: 'sm90' needs a compute capability 9.x GPU, bf16/fp16, d = 512 + 64, t*h > 16"
+            f"backend: {backend!r} needs a compute capability 9.x GPU, bf16/fp16, d = 512 + 64"
+            + ("" if variant else ", t*h > 16 (or a pinned variant such as 'sm90-sched')")
         )
     cfg = config or pick_config(q.dtype, rows, d_v)
     m_blocks = triton.cdiv(rows, cfg.block_m)
@@ -423,6 +413,21 @@ def tree_mla_attention(
     if sm90:
         from . import mla_attention_sm90 as fast
 
+        if (variant or fast.DEFAULT_VARIANT) == "sched" and not causal:
+            blocks = triton.cdiv(rows, fast.BLOCK_M)
+            tiles = triton.cdiv(max_seqlen or capacity, fast.tile_rows("sched"))
+            programs, per, n_slots = fast.schedule(b, blocks, tiles, slots, num_splits)
+            part, plse = out, lse  # not written when no row block is cut
+            if n_slots:
+                part = torch.empty(b, n_slots, rows, d_v, dtype=torch.float32, device=q.device)
+                plse = torch.empty(b, n_slots, rows, dtype=torch.float32, device=q.device)
+            fast.launch_sched(q, kv_cache, cache_seqlens, bt, vis, mode, svb, svi, out, lse, part, plse, t, h,
+                              rows, qk_scale, paged, page_size, programs, per, tiles)  # fmt: skip
+            if n_slots:
+                _merge(part, plse, out, lse, rows, n_slots, d_v, sched=(tiles, per, blocks, fast.BLOCK_M))
+            return out, lse
+        if variant in (None, "sched"):  # causal: the sched kernel has no causal mask
+            variant = "wide"
         if num_splits is None:
             sm90_cfg = Config(block_m=fast.BLOCK_M, block_n=fast.tile_rows(variant), num_warps=8)
             m90 = triton.cdiv(rows, fast.BLOCK_M)
@@ -459,9 +464,12 @@ def tree_mla_attention(
     return out, lse
 
 
-def _merge(part, plse, out, lse, rows, splits, d_v):
+def _merge(part, plse, out, lse, rows, splits, d_v, sched=(0, 1, 0, 0)):
+    """sched: (NT, PER, MB, BM) of the sm_90 "sched" launch (see _merge_kernel), else plain splits."""
     block_r = 16
+    nt, per, mb, bm = sched
     _merge_kernel[(triton.cdiv(rows, block_r), part.shape[0])](
         part, plse, out, lse, rows, splits, part.stride(0), part.stride(1), plse.stride(0),
-        plse.stride(1), D_C=d_v, BLOCK_DC=triton.next_power_of_2(d_v), BLOCK_R=block_r, num_warps=4,
+        plse.stride(1), nt, per, mb, D_C=d_v, BLOCK_DC=triton.next_power_of_2(d_v), BLOCK_R=block_r,
+        SCHED_BM=bm, num_warps=4,
     )  # fmt: skip

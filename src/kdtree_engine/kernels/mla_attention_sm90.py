@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 BLOCK_M = 64
 NUM_WARPS = 8  # two warpgroups
 SHAPES = ((512, 64),)  # (d_c, d_r) this kernel is built and tested for
+NO_LIMIT = gl.constexpr(2**31 - 1)  # _issue_tile's limit where every row asked for exists
 
 
 @gluon.jit
@@ -49,21 +50,30 @@ def _tile_offsets(b, pos, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, P
 
 
 @gluon.jit
-def _issue_tile(kc_buf, kr_buf, kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok,
-                D_C: gl.constexpr, D_R: gl.constexpr, BN: gl.constexpr, PAGED: gl.constexpr,
+def _issue_tile(kc_buf, kr_buf, kv_ptr, b, first, limit, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
+                ok, D_C: gl.constexpr, D_R: gl.constexpr, BN: gl.constexpr, PAGED: gl.constexpr,
                 LD_C: gl.constexpr, LD_R: gl.constexpr):  # fmt: skip
-    """Starts the async copy of cache rows first .. first + BN into (kc_buf, kr_buf); one commit group."""
-    pos_c = first + gl.arange(0, BN, gl.SliceLayout(1, LD_C))
-    off_c = _tile_offsets(b, pos_c, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
-    cols_c = gl.arange(0, D_C, gl.SliceLayout(0, LD_C))
-    mask_c = ((pos_c >= 0) & ok)[:, None]  # per row, so the 16-byte vectors stay whole
-    cp.async_copy_global_to_shared(kc_buf, kv_ptr + off_c[:, None] + cols_c[None, :], mask=mask_c)
-    pos_r = first + gl.arange(0, BN, gl.SliceLayout(1, LD_R))
-    off_r = _tile_offsets(b, pos_r, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
-    cols_r = D_C + gl.arange(0, D_R, gl.SliceLayout(0, LD_R))
-    mask_r = ((pos_r >= 0) & ok)[:, None]
-    cp.async_copy_global_to_shared(kr_buf, kv_ptr + off_r[:, None] + cols_r[None, :], mask=mask_r)
+    """Starts the async copy of cache rows first .. first + BN into (kc_buf, kr_buf); one commit group.
+    Rows at or past `limit` (and every row when not ok) are zero-filled, not read: their addresses are
+    clamped into rows 0 .. limit - 1, so a paged cache's block table is never read past them."""
+    _copy_rows(kc_buf, kv_ptr, b, first, limit, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok,
+               0, D_C, BN, PAGED, LD_C)  # fmt: skip
+    _copy_rows(kr_buf, kv_ptr, b, first, limit, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok,
+               D_C, D_R, BN, PAGED, LD_R)  # fmt: skip
     cp.commit_group()
+
+
+@gluon.jit
+def _copy_rows(buf, kv_ptr, b, first, limit, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok,
+               COL0: gl.constexpr, COLS: gl.constexpr, BN: gl.constexpr, PAGED: gl.constexpr,
+               LD: gl.constexpr):  # fmt: skip
+    pos = first + gl.arange(0, BN, gl.SliceLayout(1, LD))
+    valid = (pos < limit) & ok
+    pos = gl.maximum(gl.minimum(pos, limit - 1), 0)
+    off = _tile_offsets(b, pos, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
+    cols = COL0 + gl.arange(0, COLS, gl.SliceLayout(0, LD))
+    # the mask is per row (the 16-byte vectors stay whole); a masked vector is zero-filled
+    cp.async_copy_global_to_shared(buf, kv_ptr + off[:, None] + cols[None, :], mask=valid[:, None])
 
 
 @gluon.jit
@@ -99,13 +109,14 @@ def _load_q(q_ptr, b, pid_m, M, stride_qb, D_C: gl.constexpr, D_R: gl.constexpr,
 
 @gluon.jit
 def _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout: gl.constexpr):
-    """One tile's softmax step: scores s (raw, both warpgroups' column halves) -> P (bf16/fp16) in
-    p_smem, visible to every warp on return; running max m_i and sum l_i updated; acc rescaled to the
-    new max, ready for acc += P V. Returns (acc, m_i, l_i)."""
+    """One tile's softmax step: scores s (raw, both warpgroups' column halves; -inf where masked) -> P
+    (bf16/fp16) in p_smem, visible to every warp on return; running max m_i and sum l_i updated; acc
+    rescaled to the new max, ready for acc += P V. Returns (acc, m_i, l_i)."""
     s = s * qk_scale
     m_new = gl.maximum(m_i, gl.max(s, 1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s - m_new[:, None])
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet (masked)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + gl.sum(p, 1)
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
@@ -115,23 +126,22 @@ def _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout: gl.constexpr):
 
 
 @gluon.jit
-def _store_partial(acc, m_i, l_i, part_ptr, plse_ptr, b, split, pid_m, M, stride_pb, stride_ps, stride_lb,
-                   stride_ls, D_C: gl.constexpr, BM: gl.constexpr, s_layout: gl.constexpr,
-                   o_layout: gl.constexpr):  # fmt: skip
-    """Writes this split's normalized output rows (float32) and their log-sum-exp (natural log; -inf
-    for rows that saw no slot, i.e. a split with no tiles)."""
+def _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, blk, M, D_C: gl.constexpr, BM: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    """Writes the normalized output of row block blk (rows blk * BM ..) to o_ptr [M, D_C] (in its
+    dtype: float32 split partials or the final output) and the rows' log-sum-exp (natural log; -inf for
+    rows that saw no slot, e.g. a split with no tiles) to lse_ptr [M]."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     seen = l_o > 0
     out = acc / gl.where(seen, l_o, 1.0)[:, None]
-    rows_o = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
+    rows_o = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, D_C, gl.SliceLayout(0, o_layout))
-    o_ptrs = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
-    o_ptrs = o_ptrs + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
-    gl.store(o_ptrs, out, mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
+    o_ptrs = o_ptr + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
+    gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
     seen_s = l_i > 0
     lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    rows_s = pid_m * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
-    gl.store(plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls + rows_s, lse, mask=rows_s < M)
+    rows_s = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + rows_s, lse, mask=rows_s < M)
 
 
 @gluon.jit
@@ -196,8 +206,8 @@ def _prefix_kernel(
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
 
-    _issue_tile(kc_smem.index(0), kr_smem.index(0), kv_ptr, b, t_lo * BN, bt_ptr, stride_btb, stride_kb,
-                stride_ks, page_size, n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+    _issue_tile(kc_smem.index(0), kr_smem.index(0), kv_ptr, b, t_lo * BN, NO_LIMIT, bt_ptr, stride_btb,
+                stride_kb, stride_ks, page_size, n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
     cp.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
@@ -209,8 +219,8 @@ def _prefix_kernel(
         # While the tensor cores compute S, start copying the next tile into the free buffer; it has
         # until the end of this iteration.
         first = (t_lo + i + 1) * BN
-        _issue_tile(kc_smem.index((i + 1) % 2), kr_smem.index((i + 1) % 2), kv_ptr, b, first, bt_ptr,
-                    stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED,
+        _issue_tile(kc_smem.index((i + 1) % 2), kr_smem.index((i + 1) % 2), kv_ptr, b, first, NO_LIMIT,
+                    bt_ptr, stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED,
                     ld_c, ld_r)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
@@ -221,18 +231,22 @@ def _prefix_kernel(
         gl.thread_barrier()  # every warp: done with p_smem and buffer i % 2; tile i + 1 visible
     cp.wait_group(0)
 
-    _store_partial(acc, m_i, l_i, part_ptr, plse_ptr, b, split, pid_m, M, stride_pb, stride_ps, stride_lb,
-                   stride_ls, D_C, BM, s_layout, o_layout)  # fmt: skip
+    o_ptr = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    lse_ptr = plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls
+    _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, M, D_C, BM, s_layout, o_layout)
 
 
 @gluon.jit
-def _prefetch_l2(kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok, D: gl.constexpr,
-                 BN: gl.constexpr, PAGED: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
-    """Asks the L2 for cache rows first .. first + BN (every 128-byte line), without waiting."""
+def _prefetch_l2(kv_ptr, b, first, limit, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, ok,
+                 D: gl.constexpr, BN: gl.constexpr, PAGED: gl.constexpr,
+                 num_warps: gl.constexpr):  # fmt: skip
+    """Asks the L2 for cache rows first .. first + BN (every 128-byte line), without waiting; rows at or
+    past `limit` ask for row limit - 1 instead."""
     LINES: gl.constexpr = 16  # >= ceil(D * 2 / 128); the extra ones repeat the last line
     lay: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [num_warps, 1], [1, 0])
     pos = first + gl.arange(0, BN, gl.SliceLayout(1, lay))
     pos = gl.where(ok, pos, first)  # past the run: prefetch this tile again (harmless)
+    pos = gl.maximum(gl.minimum(pos, limit - 1), 0)
     off = _tile_offsets(b, pos, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
     line = gl.minimum(gl.arange(0, LINES, gl.SliceLayout(0, lay)), (D * 2 - 1) // 128)
     ptrs = kv_ptr + off[:, None] + (line * 64)[None, :]
@@ -306,8 +320,8 @@ def _prefix_wide_kernel(
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
 
-    _issue_tile(kc_smem, kr_smem, kv_ptr, b, t_lo * BN, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
-                n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+    _issue_tile(kc_smem, kr_smem, kv_ptr, b, t_lo * BN, NO_LIMIT, bt_ptr, stride_btb, stride_kb, stride_ks,
+                page_size, n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
     for i in range(n_tiles):
         cp.wait_group(0)
         fence_async_shared()
@@ -315,19 +329,178 @@ def _prefix_wide_kernel(
         s = warpgroup_mma(q_r, kr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma(qc_smem, kc_smem.permute((1, 0)), s, is_async=True)
         first = (t_lo + i + 1) * BN
-        _prefetch_l2(kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles,
-                     D, BN, PAGED, num_warps)  # fmt: skip
+        _prefetch_l2(kv_ptr, b, first, NO_LIMIT, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
+                     i + 1 < n_tiles, D, BN, PAGED, num_warps)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
         acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp is done with the tile and p_smem
-        _issue_tile(kc_smem, kr_smem, kv_ptr, b, first, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
-                    i + 1 < n_tiles, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+        _issue_tile(kc_smem, kr_smem, kv_ptr, b, first, NO_LIMIT, bt_ptr, stride_btb, stride_kb, stride_ks,
+                    page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
     cp.wait_group(0)
 
-    _store_partial(acc, m_i, l_i, part_ptr, plse_ptr, b, split, pid_m, M, stride_pb, stride_ps, stride_lb,
-                   stride_ls, D_C, BM, s_layout, o_layout)  # fmt: skip
+    o_ptr = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
+    lse_ptr = plse_ptr + b.to(gl.int64) * stride_lb + split * stride_ls
+    _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, pid_m, M, D_C, BM, s_layout, o_layout)
+
+
+@gluon.jit
+def _tree_mask(s, vis_ptr, b, rows, pos, prefix, seqlen, M, H, stride_vb, stride_vi, MASK_MODE: gl.constexpr):
+    """Scores s [BM, BN] of a tile that reaches the tree or the end of the request, -inf where not
+    visible: slots past seqlen, and tree slots j = pos - prefix that row (node rows // H) does not see
+    (visibility [b, t, t] uint8 for MASK_MODE 0, ancestor bits [b, t] int64 for 1)."""
+    j = pos - prefix  # [BN]
+    node = rows // H  # [BM]
+    row_ok = rows < M
+    ok = row_ok[:, None] & ((j >= 0) & (pos < seqlen))[None, :]
+    if MASK_MODE == 0:
+        ptrs = vis_ptr + b.to(gl.int64) * stride_vb + node[:, None] * stride_vi + j[None, :]
+        tree = ok & (gl.load(ptrs, mask=ok, other=0) != 0)
+    else:
+        bits = gl.load(vis_ptr + b.to(gl.int64) * stride_vb + node, mask=row_ok, other=0)
+        shift = gl.minimum(gl.maximum(j, 0), 63).to(gl.int64)
+        tree = ok & (((bits[:, None] >> shift[None, :]) & 1) != 0)
+    return gl.where(tree | (j < 0)[None, :], s, float("-inf"))
+
+
+@gluon.jit
+def _sched_kernel(
+    q_ptr,  # [b, M, D_C + D_R] (M = t * h rows, row = node * h + head)
+    kv_ptr,
+    seqlens_ptr,
+    bt_ptr,
+    vis_ptr,  # visibility [b, t, t] uint8 or ancestor bits [b, t] int64 (MASK_MODE 0 / 1)
+    out_ptr,  # [b, M, D_C] in q's dtype: row blocks that one program covers whole
+    lse_ptr,  # [b, M] float32
+    part_ptr,  # [b, J, M, D_C] float32: slot j of a split row block = its j-th program
+    plse_ptr,  # [b, J, M] float32
+    T,
+    H,
+    M,
+    MB,  # row blocks per request (cdiv(M, BM))
+    NT,  # BN-slot tiles per row block in the schedule (cdiv(max seqlen, BN))
+    PER,  # tiles per program
+    n_units,  # b * MB * NT
+    qk_scale,  # softmax scale * log2(e)
+    page_size,
+    stride_qb,
+    stride_kb,
+    stride_ks,
+    stride_btb,
+    stride_vb,
+    stride_vi,
+    stride_pb,
+    stride_ps,
+    stride_lb,
+    stride_ls,
+    D_C: gl.constexpr,
+    D_R: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    PAGED: gl.constexpr,
+    MASK_MODE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The "sched" variant: the whole attention of the tree (prefix and masked tree tiles) in one
+    persistent launch with a balanced schedule. The work is b * MB * NT units (row block, tile); program
+    c takes units c * PER .. c * PER + PER - 1, which may end one row block and start the next, or cut
+    one in the middle. A row block covered by one program is written final (out, lse); a cut one writes
+    float32 partials, merged by log-sum-exp afterwards (mla_attention._merge_kernel, scheduled mode).
+    Tiles of a row block past its request's seqlen are skipped; tiles inside the prefix run unmasked,
+    the rest (the last partial prefix tile and the tree) with the tree mask. Per tile as in the "wide"
+    variant: BN = 128 slots in one buffer, rope part of Q in registers, L2 prefetch of the next tile."""
+    c = gl.program_id(0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    D: gl.constexpr = D_C + D_R
+    u0 = c * PER
+    u1 = gl.minimum(u0 + PER, n_units)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D_C // 2, 16]
+    )
+    qr_reg: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D_R, D_R // 8], [num_warps, 1], [1, 0])
+    qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_C], dtype)
+    kc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_C], dtype)
+    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_R], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+
+    qc_smem = gl.allocate_shared_memory(dtype, [BM, D_C], qc_sl)
+    kc_smem = gl.allocate_shared_memory(dtype, [BN, D_C], kc_sl)
+    kr_smem = gl.allocate_shared_memory(dtype, [BN, D_R], kr_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], p_sl)
+    s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
+    cols = gl.arange(0, BN, gl.SliceLayout(0, s_layout))
+
+    rb_first = u0 // NT
+    rb_last = (u1 - 1) // NT
+    # The row blocks this program's units touch, last first: each program then starts at tile 0 of a
+    # row block, and while the programs of one request are all in their first row block they read the
+    # same tiles at the same time (one DRAM read, the rest from the L2); in order, program c would
+    # start at tile (c * PER) % NT and no two would meet.
+    for i in range(rb_last - rb_first + 1):
+        rb = rb_last - i
+        b = rb // MB
+        blk = rb - b * MB
+        v_lo = gl.maximum(u0 - rb * NT, 0)  # this program's tiles of the row block: v_lo .. v_hi - 1
+        v_hi = gl.minimum(u1 - rb * NT, NT)
+        seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
+        prefix = seqlen - T
+        n_free = prefix // BN  # tiles wholly inside the prefix: no mask
+        v_end = gl.minimum(v_hi, gl.cdiv(seqlen, BN))
+
+        q_c, q_r = _load_q(q_ptr, b, blk, M, stride_qb, D_C, D_R, BM, ld_c, ld_r)
+        gl.thread_barrier()  # every warp is done with the previous row block's Q and tiles
+        qc_smem.store(q_c)
+        # the rope part of Q goes to registers through the (free) rope buffer: a convert_layout would
+        # take 8 KB of scratch shared memory on top of the buffers, more than is left
+        qr_stage = kr_smem.slice(0, BM)
+        qr_stage.store(q_r)
+        gl.thread_barrier()
+        q_r = qr_stage.load(qr_reg)
+        gl.thread_barrier()  # every warp has its Q rope part before the first tile's copy lands there
+        rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BM, D_C], gl.float32, o_layout)
+        m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+
+        _issue_tile(kc_smem, kr_smem, kv_ptr, b, v_lo * BN, seqlen, bt_ptr, stride_btb, stride_kb, stride_ks,
+                    page_size, v_lo < v_end, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+        for v in range(v_lo, v_end):
+            cp.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()  # tile v (and Q) visible to every warp
+            s = warpgroup_mma(q_r, kr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qc_smem, kc_smem.permute((1, 0)), s, is_async=True)
+            first = (v + 1) * BN
+            _prefetch_l2(kv_ptr, b, first, seqlen, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
+                         v + 1 < v_end, D, BN, PAGED, num_warps)  # fmt: skip
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            if v >= n_free:
+                s = _tree_mask(s, vis_ptr, b, rows, v * BN + cols, prefix, seqlen, M, H, stride_vb, stride_vi,
+                               MASK_MODE)  # fmt: skip
+            acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
+            acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()  # every warp is done with the tile and p_smem
+            _issue_tile(kc_smem, kr_smem, kv_ptr, b, first, seqlen, bt_ptr, stride_btb, stride_kb, stride_ks,
+                        page_size, v + 1 < v_end, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+        cp.wait_group(0)
+
+        if (v_lo == 0) & (v_hi == NT):  # the whole row block: final output
+            final = out_ptr + b.to(gl.int64) * M * D_C
+            final_lse = lse_ptr + b.to(gl.int64) * M
+            _store_rows(acc, m_i, l_i, final, final_lse, blk, M, D_C, BM, s_layout, o_layout)
+        else:
+            slot = c - (rb * NT) // PER
+            split = part_ptr + b.to(gl.int64) * stride_pb + slot.to(gl.int64) * stride_ps
+            split_lse = plse_ptr + b.to(gl.int64) * stride_lb + slot * stride_ls
+            _store_rows(acc, m_i, l_i, split, split_lse, blk, M, D_C, BM, s_layout, o_layout)
 
 
 @functools.lru_cache(maxsize=16)
@@ -338,29 +511,65 @@ def supported_device(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
-def applies(q: torch.Tensor, d_v: int, rows: int) -> bool:
-    """Whether the sm_90 prefix kernel serves this call: bf16/fp16 on Hopper, d_c + d_r in SHAPES, and
-    enough query rows per request to fill a 64-row tile (decode with few heads keeps the Triton kernel)."""
+def applies(q: torch.Tensor, d_v: int) -> bool:
+    """Whether the sm_90 kernels can serve this call: bf16/fp16 on Hopper, d_c + d_r in SHAPES."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda:
         return False
-    return (d_v, q.shape[-1] - d_v) in SHAPES and rows > 16 and supported_device(q.get_device())
+    return (d_v, q.shape[-1] - d_v) in SHAPES and supported_device(q.get_device())
 
 
-# name -> (kernel, cache rows per tile); "double": 64-row tiles, two buffers (the next tile's copy
-# overlaps this one); "wide": 128-row tiles, one buffer, L2 prefetch of the next tile.
-VARIANTS = {"double": (_prefix_kernel, 64), "wide": (_prefix_wide_kernel, 128)}
-DEFAULT_VARIANT = "wide"
+# name -> (kernel, cache rows per tile); "sched" (default): the whole tree attention in one balanced
+# persistent launch (the tree mask inside; causal calls take "wide"); "double": 64-row tiles, two
+# buffers (the next tile's copy overlaps this one); "wide": 128-row tiles, one buffer, L2 prefetch of
+# the next tile. "double" and "wide" cover the whole prefix tiles only (launch_prefix).
+VARIANTS = {"sched": (_sched_kernel, 128), "double": (_prefix_kernel, 64), "wide": (_prefix_wide_kernel, 128)}
+DEFAULT_VARIANT = "sched"
+MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
 
 
 def tile_rows(variant: str | None = None) -> int:
     return VARIANTS[variant or DEFAULT_VARIANT][1]
 
 
+def schedule(b: int, blocks: int, tiles: int, sms: int, num_splits: int | None = None) -> tuple[int, ...]:
+    """The "sched" launch: (programs, tiles per program, partial slots per row block; 0 when no row
+    block is cut, so no merge). b * blocks row blocks of `tiles` tiles each are dealt out evenly over
+    `sms` programs (one per multiprocessor: a program uses nearly all its shared memory); when each
+    program gets 4 row blocks or more, it gets whole ones (imbalance <= 1/4, no partials).
+    num_splits (tests): each row block cut into that many runs of tiles instead."""
+    units = b * blocks * tiles
+    if num_splits:
+        per = -(-tiles // num_splits)
+    else:
+        per = max(-(-units // max(sms, 1)), min(tiles, MIN_TILES))
+        if per >= 4 * tiles:
+            per = -(-per // tiles) * tiles
+    slots = 0 if per % tiles == 0 else (tiles - 1) // per + 2  # most programs one row block meets
+    return -(-units // per), per, slots
+
+
+def launch_sched(q, kv_cache, cache_seqlens, bt, vis, mask_mode, stride_vb, stride_vi, out, lse, part, plse,
+                 t, h, rows, qk_scale, paged, page_size, programs, per, tiles):  # fmt: skip
+    """Runs the "sched" kernel: out / lse for the row blocks one program covers, part / plse slots for
+    the cut ones (then mla_attention._merge in scheduled mode)."""
+    b, d = q.shape[0], q.shape[-1]
+    d_c = out.shape[-1]
+    blocks = -(-rows // BLOCK_M)
+    _sched_kernel[(programs,)](
+        q, kv_cache, cache_seqlens, bt, vis, out, lse, part, plse,
+        t, h, rows, blocks, tiles, per, b * blocks * tiles, qk_scale, page_size,
+        q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), stride_vb, stride_vi,
+        part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
+        D_C=d_c, D_R=d - d_c, BM=BLOCK_M, BN=VARIANTS["sched"][1], PAGED=paged, MASK_MODE=mask_mode,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
 def launch_prefix(
     q, kv_cache, cache_seqlens, bt, part, plse, t, rows, num_splits, qk_scale, paged, page_size, variant=None
 ):
-    """Runs the prefix kernel into splits 0 .. num_splits - 1 of (part, plse)."""
-    kernel, block_n = VARIANTS[variant or DEFAULT_VARIANT]
+    """Runs the "double" or "wide" prefix kernel into splits 0 .. num_splits - 1 of (part, plse)."""
+    kernel, block_n = VARIANTS[variant or "wide"]
     b, d = q.shape[0], q.shape[-1]
     d_c = part.shape[-1]
     grid = (-(-rows // BLOCK_M), num_splits, b)

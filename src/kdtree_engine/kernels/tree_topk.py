@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+
 LOW32 = tl.constexpr(0xFFFFFFFF)
 NONE = tl.constexpr(-(2**63))  # below every packed key
 
@@ -63,13 +65,20 @@ def _partials_kernel(x_ptr, gmax_ptr, part_ptr, V, NG, NCH, CH: tl.constexpr, G:
 
 
 @triton.jit
-def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH,
-                    CH: tl.constexpr, G: tl.constexpr, S: tl.constexpr):  # fmt: skip
-    """Chunk c of a row: the max of every group of G and super group of S logits (S a multiple of G
-    dividing CH) and the chunk's (max, sum exp); the chunk is loaded as a [CH // G, G] tile (16-byte
-    loads for bf16 when V is a multiple of 8)."""
-    offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]  # [CH // G, G]
-    x = tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+def _load_chunk(x_ptr, row, c, V, CH: tl.constexpr, G: tl.constexpr):
+    """Chunk c of a row as a [CH // G, G] tile in the logits' dtype (16-byte loads for bf16 when V is a
+    multiple of 8); -inf past V."""
+    offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]
+    return tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
+
+
+@triton.jit
+def _chunk_stats(x, gmax_ptr, smax_ptr, part_ptr, row, c, NG, NS, NCH, CH: tl.constexpr, G: tl.constexpr,
+                 S: tl.constexpr, GROUP_EXP: tl.constexpr = False):  # fmt: skip
+    """Of chunk c's tile x: the max of every group of G and super group of S logits (S a multiple of G
+    dividing CH) and the chunk's (max, sum exp); GROUP_EXP: the sum as sum_g exp(gmax_g - m) *
+    sum(exp(x - gmax_g)) (no chunk-wide max before the exps)."""
+    x = x.to(tl.float32)
     gmax = tl.max(x, axis=1)  # [CH // G]
     groups = c * (CH // G) + tl.arange(0, CH // G)
     tl.store(gmax_ptr + row * NG + groups, gmax, mask=groups < NG)
@@ -77,17 +86,30 @@ def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH,
     sup = c * (CH // S) + tl.arange(0, CH // S)
     tl.store(smax_ptr + row * NS + sup, smax, mask=sup < NS)
     m = tl.max(gmax, axis=0)
-    s = tl.sum(tl.sum(tl.exp(x - m), axis=1), axis=0)
+    if GROUP_EXP:
+        g_safe = tl.where(gmax == float("-inf"), 0.0, gmax)  # a group wholly past V
+        s = tl.sum(tl.sum(tl.exp(x - g_safe[:, None]), axis=1) * tl.exp(gmax - m), axis=0)
+    else:
+        s = tl.sum(tl.sum(tl.exp(x - m), axis=1), axis=0)
     tl.store(part_ptr + (row * NCH + c) * 2, m)
     tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
 
 
 @triton.jit
-def _partials2_kernel(x_ptr, gmax_ptr, smax_ptr, part_ptr, V, NG, NS, NCH,
-                      CH: tl.constexpr, G: tl.constexpr, S: tl.constexpr):  # fmt: skip
+def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH, CH: tl.constexpr,
+                    G: tl.constexpr, S: tl.constexpr, GROUP_EXP: tl.constexpr = False):  # fmt: skip
+    """Chunk c of a row: loaded, then its group / super-group maxima and (max, sum exp) stored."""
+    x = _load_chunk(x_ptr, row, c, V, CH, G)
+    _chunk_stats(x, gmax_ptr, smax_ptr, part_ptr, row, c, NG, NS, NCH, CH, G, S, GROUP_EXP)
+
+
+@triton.jit
+def _partials2_kernel(x_ptr, gmax_ptr, smax_ptr, part_ptr, V, NG, NS, NCH, CH: tl.constexpr, G: tl.constexpr,
+                      S: tl.constexpr, GROUP_EXP: tl.constexpr):  # fmt: skip
     """_partials_kernel plus the super-group maxima, grid (rows, chunks)."""
     row = tl.program_id(0).to(tl.int64)
-    _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, tl.program_id(1), V, NG, NS, NCH, CH, G, S)
+    c = tl.program_id(1)
+    _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH, CH, G, S, GROUP_EXP)
 
 
 @triton.jit
@@ -447,15 +469,17 @@ def logits_topk(
     max_compact: int | None = None,
     chunk: int | None = None,
     super_group: int | None = None,
-    partial_warps: int = 4,
+    partial_warps: int | None = None,
     select_warps: int = 4,
+    group_exp: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, L, V] float (validated, V >= 1), 1 <= k <= V ->
     (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
 
     variant: "thresh" (default: _partials2_kernel then _select_thresh_kernel: a threshold from
-    super-group maxima, then only the logits >= it are sorted; 135 us at B=64, L=15, V=163840, k=32,
-    bf16, on the H200, 2026-12-02, against 97 us for torch.amax to read the same logits), "fused" (the
+    super-group maxima, then only the logits >= it are sorted; 129 us at B=64, L=15, V=163840, k=32,
+    bf16, on the H200, 2026-12-02, against 70 us for a Triton kernel that only reads the same logits
+    and 97 us for torch.amax), "fused" (the
     same partials and select in one launch, the last program of each row doing the select; 183 us:
     the selects hold their block slots and slow the stream), "compact" (bisection over all group
     maxima; 198 us) or "sort" (sorts every logit of the candidate groups; 443 us); same output.
@@ -464,9 +488,13 @@ def logits_topk(
     graph). Default: a fresh zeroed buffer per call (one memset), safe everywhere.
     Tuning knobs (tests shrink them to reach the fallbacks at small shapes): group (G logits per
     group max), max_groups (MAXG, the fast path's capacity in groups), max_compact (KC, its capacity
-    in logits), chunk (logits per program of the partials; default 8192 for "thresh" / "fused", 4096
-    otherwise), super_group (S, "thresh" / "fused"; default 1024 for "thresh", 512 for "fused"),
-    partial_warps (the "fused" launch's warps too) / select_warps ("thresh" only). Under the Triton
+    in logits), chunk (logits per program of the partials; default 2048 for "thresh", 8192 for
+    "fused", 4096 otherwise), super_group (S, "thresh" / "fused"; default 1024 for "thresh", 512 for
+    "fused"), partial_warps (the partials' warps, the "fused" launch's too; default 1 for "thresh": one
+    warp per 2048 logits needs no cross-warp reduction, measured 89 against 97 us for 4 warps per
+    8192; 4 otherwise) / select_warps ("thresh" only), group_exp ("thresh"
+    only: the partials sum exp(x - group max) per group, then scale by exp(group max - chunk max), so
+    the exps need no chunk-wide max first; one more exp per group). Under the Triton
     interpreter (CPU) the defaults are smaller, as its register sort costs seconds per row at the GPU's
     sizes.
     """
@@ -481,14 +509,15 @@ def logits_topk(
             raise ValueError(f"counter: expected contiguous on {logits.device}, got {counter.device}")
     lp, ids, stages = _plan(logits, k, variant=variant, counter=counter, group=group, max_groups=max_groups,
                             max_compact=max_compact, chunk=chunk, super_group=super_group,
-                            partial_warps=partial_warps, select_warps=select_warps)  # fmt: skip
+                            partial_warps=partial_warps, select_warps=select_warps,
+                            group_exp=group_exp)  # fmt: skip
     for launch in stages:
         launch()
     return lp, ids
 
 
 def _plan(logits, k, *, variant="thresh", counter=None, group=None, max_groups=None, max_compact=None,
-          chunk=None, super_group=None, partial_warps=4, select_warps=4):  # fmt: skip
+          chunk=None, super_group=None, partial_warps=None, select_warps=4, group_exp=False):  # fmt: skip
     """Output and scratch buffers and the launches of logits_topk as closures (the partials, then the
     select; one for "fused"), so that scripts/probe_topk.py can time each launch alone."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
@@ -504,7 +533,8 @@ def _plan(logits, k, *, variant="thresh", counter=None, group=None, max_groups=N
     ids = torch.empty((b, depth, k), dtype=torch.int64, device=dev)
     if rows == 0:
         return lp, ids, ()
-    chunk = chunk or (1024 if interpreting else 8192 if variant in ("thresh", "fused") else 4096)
+    chunk = chunk or (1024 if interpreting else {"thresh": 2048, "fused": 8192}.get(variant, 4096))
+    partial_warps = partial_warps or (1 if variant == "thresh" else 4)
     chunk = max(group, min(chunk, triton.next_power_of_2(vocab)))
     n_groups, n_chunks = triton.cdiv(vocab, group), triton.cdiv(vocab, chunk)
     gmax = torch.empty((rows, n_groups), dtype=torch.float32, device=dev)
@@ -532,9 +562,10 @@ def _plan(logits, k, *, variant="thresh", counter=None, group=None, max_groups=N
             launch = _fused_kernel[(rows * n_chunks,)]
             sizes.update(CH=chunk, S=sup, num_warps=partial_warps)
             return lp, ids, (partial(launch, *head, counter, *tail, **sizes),)
-        grid = (rows, n_chunks)
         pargs = (*head, vocab, n_groups, n_sup, n_chunks)
-        partials = partial(_partials2_kernel[grid], *pargs, CH=chunk, G=group, S=sup, num_warps=partial_warps)
+        launch = _partials2_kernel[(rows, n_chunks)]
+        sizes_p = dict(CH=chunk, G=group, S=sup, GROUP_EXP=group_exp, num_warps=partial_warps)
+        partials = partial(launch, *pargs, **sizes_p)
         select = partial(_select_thresh_kernel[(rows,)], *head, *tail, **sizes, num_warps=select_warps)
         return lp, ids, (partials, select)
     pargs = (logits, gmax, part, vocab, n_groups, n_chunks)
