@@ -47,11 +47,15 @@ SLOW_PATH = [VARIANTS[0], VARIANTS[2]]  # the default and "fused", run on "ties_
 SWEEP = [  # --sweep: launch-shape knobs of the default "thresh", on "random" only. Measured 14:13 UTC:
     # partial / select warps 2 / 8, chunk 16384, groups of 16 / 64 were slower than ch=8192 pw=4; 14:34
     # UTC: a persistent partials launch (next chunk loaded during this one's math) took 145-213 us;
-    # 14:46 UTC: one warp per 2048 logits 89 us (4096: 92; 2 warps per 4096: 95), per-group exps slower.
-    ("thresh pw=1 ch=1024", {"partial_warps": 1, "chunk": 1024}),
-    ("thresh pw=1 ch=1024 S=512", {"partial_warps": 1, "chunk": 1024, "super_group": 512}),
-    ("thresh pw=2 ch=2048", {"partial_warps": 2, "chunk": 2048}),
-    ("thresh pw=1 ch=2048 S=2048", {"partial_warps": 1, "chunk": 2048, "super_group": 2048}),
+    # 14:46 UTC: one warp per 2048 logits 89 us (4096: 92; 2 warps per 4096: 95), per-group exps slower;
+    # 14:51 UTC: chunks of 1024 or 2 warps per 2048 slower, S = 2048 the same.
+    # Next: the select's register cap (the H200 driver reported 122 registers per thread for 4 warps:
+    # 4 rows' selects resident per multiprocessor, so 960 rows take two rounds).
+    ("thresh select maxnreg=64", {"select_maxnreg": 64}),
+    ("thresh select maxnreg=96", {"select_maxnreg": 96}),
+    ("thresh select_warps=2 maxnreg=128", {"select_warps": 2, "select_maxnreg": 128}),
+    ("thresh select_warps=8 maxnreg=64", {"select_warps": 8, "select_maxnreg": 64}),
+    ("thresh group_exp", {"group_exp": True}),
 ]
 
 

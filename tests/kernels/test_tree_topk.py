@@ -74,7 +74,7 @@ THRESH_CASES = [  # the "thresh" select, run as two launches ("thresh") and as t
 CPU_CASES += [(*c[:5], {**c[5], "variant": v}) for c in THRESH_CASES for v in ("thresh", "fused")]
 CPU_CASES += [  # the partials' per-group exps; V not a multiple of the chunk (a group wholly past V)
     (1, 3, 5000, 16, "bf16", {"chunk": 1024, "super_group": 128, "group_exp": True}),
-    (2, 2, 1000, 8, "smooth", {"group_exp": True, "chunk": 256, "group": 16}),
+    (2, 2, 1000, 8, "smooth", {"group_exp": True, "chunk": 256, "group": 16, "select_maxnreg": 64}),
 ]
 
 
