@@ -234,9 +234,10 @@ def _split_kv_kernel(
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + rows, lse, mask=row_ok)
 
 
-@triton.jit(
-    do_not_specialize=["M", "num_splits", "stride_pb", "stride_ps", "stride_lb", "stride_ls", "NT", "PER"]
-)
+_MERGE_RUNTIME = ["M", "num_splits", "stride_pb", "stride_ps", "stride_lb", "stride_ls", "NT", "PER", "MB"]
+
+
+@triton.jit(do_not_specialize=_MERGE_RUNTIME)
 def _merge_kernel(
     part_ptr,
     plse_ptr,
