@@ -4,7 +4,8 @@
 # packed into $OUT/results.tgz: device.txt, gpu_tests.log, model_gpu.txt, engine_gpu.txt, the engine
 # demo log, and each benchmark's log, table (.md) and plot (.png).
 # Arguments: "tests" or "bench" to run one half only. A checkout of liranringel/ddtree at
-# .peers/ddtree (git-ignored) adds the official builder to the tree benchmark.
+# .peers/ddtree (git-ignored) adds the official builder to the tree benchmark, and an SGLang checkout
+# (or just its python/sglang/srt/speculative/ddtree_utils.py) at .peers/sglang adds SGLang's builder.
 set -uo pipefail
 OUT=${OUT:-out}
 R="$OUT/results"
@@ -32,6 +33,7 @@ fi
 if [ "$what" != tests ]; then
   peer=()
   [ -d .peers/ddtree ] && peer=(--peer official=.peers/ddtree)
+  [ -d .peers/sglang ] && peer+=(--peer sglang=.peers/sglang)
   timeout "$T_TREE" python3 -m kdtree_engine bench tree --out "$R/tree" --host-iters 3 --iters 20 \
     "${peer[@]}" 2>&1 | tee "$R/bench_tree.log" || status=1
   # the shapes that the goals name (the full default grid takes longer than one device call)

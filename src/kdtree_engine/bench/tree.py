@@ -6,7 +6,10 @@ Per (batch B, budget) on the same random bf16 drafter logits [B, L, V]:
 - gpu compile, gpu accept: compile_tree and accept_greedy on the built trees;
 - cpu ref: ref.tree.build_tree from the same top-k on the host (the official heap, batched in Python);
 - peers (`--peer official=/path/to/ddtree`): the official builder called once per request on that
-  request's [L, V] logits as its engine does (top-k on the logits' device, copy to host, heap on host).
+  request's [L, V] logits as its engine does (top-k on the logits' device, copy to host, heap on host);
+  `--peer sglang=/path/to/sglang`: SGLang's `build_ddtree_tree`, called once per batch on [B, L, V] as
+  its worker does (its outputs padded on the logits' device). "<peer> same tree": the peer's tree for
+  request 0, top-k ties pinned to our order, equals ours.
 GPU times: a CUDA graph holding `--graph-calls` back-to-back calls, replayed after warm-up and timed
 with CUDA events; the median per call is reported. Host times: median of perf_counter over
 `--host-iters` runs, after one warm-up. Ratios come from the same run.
@@ -34,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--vocab", type=int, default=163840, help="vocabulary size V (Kimi-K2: 163840)")
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=PATH",
-                        help="time a peer builder from a local checkout (supported: official)")  # fmt: skip
+                        help="time a peer builder from a local checkout (official, sglang)")  # fmt: skip
     parser.add_argument("--out", default="out/bench_tree", help="directory for the table, plot and json")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--graph-calls", type=int, default=10, help="calls captured per CUDA graph")
@@ -83,22 +86,48 @@ def _host_us(fn, iters: int, device: torch.device) -> float:
 
 
 def _load_peers(specs: list[str]) -> dict:
-    """{name: (timed builder, pinned-tie builder)}. The timed one uses torch.topk as the peer does;
-    the pinned one orders top-k ties like ours, to check that the trees are identical."""
-    from kdtree_engine.bench.peers import load_official
+    """{name: (run(logits [B, L, V], budget): the whole batch as the peer's engine calls it, with its own
+    torch.topk; tree0(logits, budget) -> (tokens, parents) of request 0 with top-k ties pinned to
+    ours)}."""
+    from kdtree_engine.bench.peers import load_official, load_sglang
 
     peers = {}
     for spec in specs:
         name, _, path = spec.partition("=")
-        if name != "official" or not path:
-            raise ValueError(f"--peer: expected official=/path/to/ddtree, got {spec!r}")
-        pinned, timed = load_official(path), load_official(path, stable_topk=False)
-        peers[name] = (timed, pinned)
+        if name == "official" and path:
+            peers[name] = _official_peer(load_official(path, stable_topk=False), load_official(path))
+        elif name == "sglang" and path:
+            peers[name] = _sglang_peer(load_sglang(path, stable_topk=False), load_sglang(path))
+        else:
+            raise ValueError(f"--peer: expected official=PATH (ddtree) or sglang=PATH, got {spec!r}")
     return peers
 
 
-def _same_tree(peer_out, tree, r: int) -> bool:
-    tokens, depths, parents, _ = peer_out
+def _official_peer(timed, pinned):
+    """The official builder takes one request's [L, V] logits: its engine loops over the batch."""
+
+    def run(logits, budget):
+        return [timed(logits[r], budget) for r in range(logits.shape[0])]
+
+    def tree0(logits, budget):
+        tokens, _depths, parents, _seconds = pinned(logits[0], budget)
+        return tokens, parents
+
+    return run, tree0
+
+
+def _sglang_peer(timed, pinned):
+    """SGLang's builder takes the batch [B, L, V] in one call."""
+
+    def tree0(logits, budget):
+        tokens, _depths, parents = pinned(logits[:1], budget)[0]
+        return tokens, parents
+
+    return timed, tree0
+
+
+def _same_tree(peer_tree, tree, r: int) -> bool:
+    tokens, parents = peer_tree
     n = len(tokens)
     return (
         n == int(tree.num_nodes[r])
@@ -152,11 +181,9 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) 
         torch.equal(getattr(tree, f).cpu(), getattr(want, f)) for f in ("tokens", "parents")
     )
     row["cpu ref"] = _host_us(lambda: ref.build_tree(lp_host, ids_host, budget), args.host_iters, dev)
-    for name, (timed_peer, pinned_peer) in peers.items():
-        row[name] = _host_us(
-            lambda p=timed_peer: [p(logits[r], budget) for r in range(b)], args.host_iters, dev
-        )
-        row[f"{name} same tree"] = _same_tree(pinned_peer(logits[0], budget), tree, 0)
+    for name, (run, tree0) in peers.items():
+        row[name] = _host_us(lambda f=run: f(logits, budget), args.host_iters, dev)
+        row[f"{name} same tree"] = _same_tree(tree0(logits, budget), tree, 0)
     return row
 
 
