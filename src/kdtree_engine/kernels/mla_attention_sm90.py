@@ -255,6 +255,40 @@ def _prefetch_l2(kv_ptr, b, first, limit, bt_ptr, stride_btb, stride_kb, stride_
 
 
 @gluon.jit
+def _wide_scores(q_r, qc_smem, kc_smem, kr_smem, s_zero, kv_ptr, b, nxt, limit, bt_ptr, stride_btb,
+                 stride_kb, stride_ks, page_size, more, D: gl.constexpr, BN: gl.constexpr,
+                 PAGED: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """One-buffer tile step, first half: waits for the tile's copy (in kc_smem / kr_smem), computes the
+    raw scores S = Q_r K_r^T + Q_c K_c^T, and while the tensor cores run asks the L2 for the next
+    tile's rows nxt .. nxt + BN (when `more`)."""
+    cp.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()  # the tile (and Q) visible to every warp
+    s = warpgroup_mma(q_r, kr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma(qc_smem, kc_smem.permute((1, 0)), s, is_async=True)
+    _prefetch_l2(kv_ptr, b, nxt, limit, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, more, D, BN,
+                 PAGED, num_warps)  # fmt: skip
+    return warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+
+
+@gluon.jit
+def _wide_accumulate(s, acc, m_i, l_i, p_smem, kc_smem, kr_smem, qk_scale, kv_ptr, b, nxt, limit, bt_ptr,
+                     stride_btb, stride_kb, stride_ks, page_size, more, D_C: gl.constexpr, D_R: gl.constexpr,
+                     BN: gl.constexpr, PAGED: gl.constexpr, o_layout: gl.constexpr, LD_C: gl.constexpr,
+                     LD_R: gl.constexpr):  # fmt: skip
+    """One-buffer tile step, second half: online softmax of the (masked) scores s, acc += P V, then
+    the copy of the next tile (rows nxt .., limit as in _issue_tile) into the freed buffer.
+    Returns (acc, m_i, l_i)."""
+    acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
+    acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gl.thread_barrier()  # every warp is done with the tile and p_smem
+    _issue_tile(kc_smem, kr_smem, kv_ptr, b, nxt, limit, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
+                more, D_C, D_R, BN, PAGED, LD_C, LD_R)  # fmt: skip
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _prefix_wide_kernel(
     q_ptr,
     kv_ptr,
@@ -323,21 +357,14 @@ def _prefix_wide_kernel(
     _issue_tile(kc_smem, kr_smem, kv_ptr, b, t_lo * BN, NO_LIMIT, bt_ptr, stride_btb, stride_kb, stride_ks,
                 page_size, n_tiles > 0, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
     for i in range(n_tiles):
-        cp.wait_group(0)
-        fence_async_shared()
-        gl.thread_barrier()  # tile i visible to every warp
-        s = warpgroup_mma(q_r, kr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qc_smem, kc_smem.permute((1, 0)), s, is_async=True)
-        first = (t_lo + i + 1) * BN
-        _prefetch_l2(kv_ptr, b, first, NO_LIMIT, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
-                     i + 1 < n_tiles, D, BN, PAGED, num_warps)  # fmt: skip
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
-        acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()  # every warp is done with the tile and p_smem
-        _issue_tile(kc_smem, kr_smem, kv_ptr, b, first, NO_LIMIT, bt_ptr, stride_btb, stride_kb, stride_ks,
-                    page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+        nxt = (t_lo + i + 1) * BN
+        more = i + 1 < n_tiles
+        s = _wide_scores(q_r, qc_smem, kc_smem, kr_smem, s_zero, kv_ptr, b, nxt, NO_LIMIT, bt_ptr,
+                         stride_btb, stride_kb, stride_ks, page_size, more, D, BN, PAGED,
+                         num_warps)  # fmt: skip
+        acc, m_i, l_i = _wide_accumulate(s, acc, m_i, l_i, p_smem, kc_smem, kr_smem, qk_scale, kv_ptr, b,
+                                         nxt, NO_LIMIT, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
+                                         more, D_C, D_R, BN, PAGED, o_layout, ld_c, ld_r)  # fmt: skip
     cp.wait_group(0)
 
     o_ptr = part_ptr + b.to(gl.int64) * stride_pb + split.to(gl.int64) * stride_ps
@@ -408,8 +435,9 @@ def _sched_kernel(
     one in the middle. A row block covered by one program is written final (out, lse); a cut one writes
     float32 partials, merged by log-sum-exp afterwards (mla_attention._merge_kernel, scheduled mode).
     Tiles of a row block past its request's seqlen are skipped; tiles inside the prefix run unmasked,
-    the rest (the last partial prefix tile and the tree) with the tree mask. Per tile as in the "wide"
-    variant: BN = 128 slots in one buffer, rope part of Q in registers, L2 prefetch of the next tile."""
+    the rest (the last partial prefix tile and the tree) with the tree mask. Per tile the "wide" steps
+    (_wide_scores, _wide_accumulate): BN = 128 slots in one buffer, rope part of Q in registers, L2
+    prefetch of the next tile."""
     c = gl.program_id(0)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     D: gl.constexpr = D_C + D_R
@@ -472,24 +500,18 @@ def _sched_kernel(
         _issue_tile(kc_smem, kr_smem, kv_ptr, b, v_lo * BN, seqlen, bt_ptr, stride_btb, stride_kb, stride_ks,
                     page_size, v_lo < v_end, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
         for v in range(v_lo, v_end):
-            cp.wait_group(0)
-            fence_async_shared()
-            gl.thread_barrier()  # tile v (and Q) visible to every warp
-            s = warpgroup_mma(q_r, kr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            s = warpgroup_mma(qc_smem, kc_smem.permute((1, 0)), s, is_async=True)
-            first = (v + 1) * BN
-            _prefetch_l2(kv_ptr, b, first, seqlen, bt_ptr, stride_btb, stride_kb, stride_ks, page_size,
-                         v + 1 < v_end, D, BN, PAGED, num_warps)  # fmt: skip
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            nxt = (v + 1) * BN
+            more = v + 1 < v_end
+            s = _wide_scores(q_r, qc_smem, kc_smem, kr_smem, s_zero, kv_ptr, b, nxt, seqlen, bt_ptr,
+                             stride_btb, stride_kb, stride_ks, page_size, more, D, BN, PAGED,
+                         num_warps)  # fmt: skip
             if v >= n_free:
                 s = _tree_mask(s, vis_ptr, b, rows, v * BN + cols, prefix, seqlen, M, H, stride_vb, stride_vi,
                                MASK_MODE)  # fmt: skip
-            acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
-            acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()  # every warp is done with the tile and p_smem
-            _issue_tile(kc_smem, kr_smem, kv_ptr, b, first, seqlen, bt_ptr, stride_btb, stride_kb, stride_ks,
-                        page_size, v + 1 < v_end, D_C, D_R, BN, PAGED, ld_c, ld_r)  # fmt: skip
+            acc, m_i, l_i = _wide_accumulate(s, acc, m_i, l_i, p_smem, kc_smem, kr_smem, qk_scale, kv_ptr,
+                                             b, nxt, seqlen, bt_ptr, stride_btb, stride_kb, stride_ks,
+                                             page_size, more, D_C, D_R, BN, PAGED, o_layout, ld_c,
+                                             ld_r)  # fmt: skip
         cp.wait_group(0)
 
         if (v_lo == 0) & (v_hi == NT):  # the whole row block: final output
