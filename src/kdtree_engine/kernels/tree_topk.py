@@ -66,20 +66,14 @@ def _partials_kernel(x_ptr, gmax_ptr, part_ptr, V, NG, NCH, CH: tl.constexpr, G:
 
 
 @triton.jit
-def _load_chunk(x_ptr, row, c, V, CH: tl.constexpr, G: tl.constexpr):
-    """Chunk c of a row as a [CH // G, G] tile in the logits' dtype (16-byte loads for bf16 when V is a
-    multiple of 8); -inf past V."""
-    offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]
-    return tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf"))
-
-
-@triton.jit
-def _chunk_stats(x, gmax_ptr, smax_ptr, part_ptr, row, c, NG, NS, NCH, CH: tl.constexpr, G: tl.constexpr,
-                 S: tl.constexpr, GROUP_EXP: tl.constexpr = False):  # fmt: skip
-    """Of chunk c's tile x: the max of every group of G and super group of S logits (S a multiple of G
-    dividing CH) and the chunk's (max, sum exp); GROUP_EXP: the sum as sum_g exp(gmax_g - m) *
+def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH, CH: tl.constexpr,
+                    G: tl.constexpr, S: tl.constexpr, GROUP_EXP: tl.constexpr = False):  # fmt: skip
+    """Chunk c of a row: the max of every group of G and super group of S logits (S a multiple of G
+    dividing CH) and the chunk's (max, sum exp); the chunk is loaded as a [CH // G, G] tile (16-byte
+    loads for bf16 when V is a multiple of 8). GROUP_EXP: the sum as sum_g exp(gmax_g - m) *
     sum(exp(x - gmax_g)) (no chunk-wide max before the exps)."""
-    x = x.to(tl.float32)
+    offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]  # [CH // G, G]
+    x = tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     gmax = tl.max(x, axis=1)  # [CH // G]
     groups = c * (CH // G) + tl.arange(0, CH // G)
     tl.store(gmax_ptr + row * NG + groups, gmax, mask=groups < NG)
@@ -97,14 +91,6 @@ def _chunk_stats(x, gmax_ptr, smax_ptr, part_ptr, row, c, NG, NS, NCH, CH: tl.co
         s = tl.sum(tl.sum(tl.math.exp2((x - m) * LOG2E), axis=1), axis=0)
     tl.store(part_ptr + (row * NCH + c) * 2, m)
     tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
-
-
-@triton.jit
-def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH, CH: tl.constexpr,
-                    G: tl.constexpr, S: tl.constexpr, GROUP_EXP: tl.constexpr = False):  # fmt: skip
-    """Chunk c of a row: loaded, then its group / super-group maxima and (max, sum exp) stored."""
-    x = _load_chunk(x_ptr, row, c, V, CH, G)
-    _chunk_stats(x, gmax_ptr, smax_ptr, part_ptr, row, c, NG, NS, NCH, CH, G, S, GROUP_EXP)
 
 
 @triton.jit
