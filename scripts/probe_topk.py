@@ -36,25 +36,25 @@ B, L, V, K = 64, 15, 163840, 32
 REPS, PER_GRAPH = 20, 10
 KEPT = "kept"  # knob value: a zeroed counter buffer made once per input and reused
 VARIANTS = [  # (name, knobs); measured 2026-12-02: see docs/tree_kernels.md
-    ("thresh (default, ch=2048 pw=1 S=1024)", {}),
-    ("thresh ch=8192 pw=4 (earlier default)", {"chunk": 8192, "partial_warps": 4}),
+    ("thresh (default, ch=2048 pw=1 S=1024 sw=2 maxnreg=128)", {}),
+    ("thresh select_warps=4 (earlier default)", {"select_warps": 4}),
+    ("thresh ch=8192 pw=4 sw=4 (older default)", {"chunk": 8192, "partial_warps": 4, "select_warps": 4}),
     ("fused (ch=8192 S=512)", {"variant": "fused"}),
     ("fused kept counter", {"variant": "fused", "counter": KEPT}),
     ("fused S=1024", {"variant": "fused", "super_group": 1024}),
     ("compact (older)", {"variant": "compact"}),
 ]
-SLOW_PATH = [VARIANTS[0], VARIANTS[2]]  # the default and "fused", run on "ties_heavy"
+SLOW_PATH = [VARIANTS[0], VARIANTS[3]]  # the default and "fused", run on "ties_heavy"
 SWEEP = [  # --sweep: launch-shape knobs of the default "thresh", on "random" only. Measured 14:13 UTC:
     # partial / select warps 2 / 8, chunk 16384, groups of 16 / 64 were slower than ch=8192 pw=4; 14:34
     # UTC: a persistent partials launch (next chunk loaded during this one's math) took 145-213 us;
     # 14:46 UTC: one warp per 2048 logits 89 us (4096: 92; 2 warps per 4096: 95), per-group exps slower;
-    # 14:51 UTC: chunks of 1024 or 2 warps per 2048 slower, S = 2048 the same.
-    # Next: the select's register cap (the H200 driver reported 122 registers per thread for 4 warps:
-    # 4 rows' selects resident per multiprocessor, so 960 rows take two rounds).
-    ("thresh select maxnreg=64", {"select_maxnreg": 64}),
-    ("thresh select maxnreg=96", {"select_maxnreg": 96}),
-    ("thresh select_warps=2 maxnreg=128", {"select_warps": 2, "select_maxnreg": 128}),
-    ("thresh select_warps=8 maxnreg=64", {"select_warps": 8, "select_maxnreg": 64}),
+    # 14:51 UTC: chunks of 1024 or 2 warps per 2048 slower, S = 2048 the same. 15:33 UTC, the select's
+    # register cap (4 warps took 122 registers: 4 rows resident per multiprocessor, 960 rows in two
+    # rounds): 4 warps capped at 64 / 96 34.8 / 36.3 us, 8 warps at 64 45.5, 2 warps at 128 29.4 (the
+    # new default for many rows), against 36.6 for 4 warps uncapped.
+    ("thresh select_warps=2 maxnreg=96", {"select_warps": 2, "select_maxnreg": 96}),
+    ("thresh select_warps=1 maxnreg=128", {"select_warps": 1, "select_maxnreg": 128}),
     ("thresh group_exp", {"group_exp": True}),
 ]
 

@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kdtree_engine.attention import BACKENDS  # defined with the public op (no triton import there)
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels._device import multiprocessors
 
 LOG2E = 1.4426950408889634
 MASK_VISIBILITY, MASK_BITS, MASK_CAUSAL = 0, 1, 2
@@ -322,13 +323,6 @@ def pick_num_splits(b: int, m_blocks: int, max_len: int, cfg: Config, d_c: int, 
     return best
 
 
-@functools.lru_cache(maxsize=16)
-def _multiprocessors(device_index: int) -> int:
-    if device_index < 0:  # the interpreter: a few programs per split are enough
-        return 4
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _mask_args(visibility, ancestor_bits, causal, dummy):
     if causal:
         return MASK_CAUSAL, dummy, 0, 0
@@ -397,7 +391,7 @@ def tree_mla_attention(
         )
     cfg = config or pick_config(q.dtype, rows, d_v)
     m_blocks = triton.cdiv(rows, cfg.block_m)
-    slots = _multiprocessors(q.get_device()) if num_splits is None else 0  # -1 on the CPU
+    slots = multiprocessors(q.get_device()) if num_splits is None else 0  # -1 on the CPU
     out = torch.empty(b, t, h, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, t, h, dtype=torch.float32, device=q.device)
     mode, vis, svb, svi = _mask_args(visibility, ancestor_bits, causal, cache_seqlens)
