@@ -273,7 +273,7 @@ def test_gpu_split_counts(device, splits):
 # The sm_90 Gluon prefix kernel (kernels/mla_attention_sm90.py) serves bf16/fp16 with t*h > 16 on
 # Hopper under backend="auto"; the sweeps above run it there. These pin each backend explicitly.
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sm90-sched", "sm90-double", "sm90-wide", "triton"])
+@pytest.mark.parametrize("backend", ["sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide", "triton"])
 @pytest.mark.parametrize("page", [None, 1, 16, 64])
 @pytest.mark.parametrize("splits", [None, 1, 3, 5])
 def test_gpu_backends(device, backend, page, splits):
@@ -281,8 +281,8 @@ def test_gpu_backends(device, backend, page, splits):
 
     if backend.startswith("sm90") and not sm90.supported_device(torch.device(device).index or 0):
         pytest.skip("sm90 backend needs a compute capability 9.x GPU")
-    # prefixes around the 64-slot tile edge and a long one; fp16 on one case
-    dtype = torch.float16 if page == 16 else torch.bfloat16
+    # prefixes around the 64-slot tile edge and a long one; fp16 on some cases
+    dtype = torch.float16 if page == 16 or (page == 64 and splits == 3) else torch.bfloat16
     check(device, 5, 17, 16, 512, 64, [0, 63, 64, 129, 3000], dtype, page, "random", seed=7,
           num_splits=splits, backend=backend)  # fmt: skip
 
@@ -291,19 +291,20 @@ def test_gpu_backends(device, backend, page, splits):
 # block cut into that many runs, so programs start and end mid-block and span block edges), and the
 # causal fallback (causal calls take the "wide" prefix kernel plus the Triton tail).
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sm90-pipe", "sm90-sched"])
 @pytest.mark.parametrize("mask", ["visibility", "bits", "causal"])
 @pytest.mark.parametrize("splits", [None, 2, 7])
 @pytest.mark.parametrize(
     "t,h,page", [(9, 64, None), (33, 8, 64), (64, 2, 1), (5, 16, None), (1, 8, None), (3, 1, 64)]
 )
-def test_gpu_sched(device, mask, splits, t, h, page):
+def test_gpu_sched(device, backend, mask, splits, t, h, page):
     from kdtree_engine.kernels import mla_attention_sm90 as sm90
 
     if not sm90.supported_device(torch.device(device).index or 0):
         pytest.skip("sm90 backend needs a compute capability 9.x GPU")
     tree = "chain" if mask == "causal" else "random"
     check(device, 4, t, h, 512, 64, [0, 127, 128, 700], torch.bfloat16, page, tree, seed=t + h,
-          mask=mask, num_splits=splits, backend="sm90-sched")  # fmt: skip
+          mask=mask, num_splits=splits, backend=backend)  # fmt: skip
 
 
 def test_backend_argument_is_checked(device):

@@ -39,19 +39,34 @@ sched_sig["qk_scale"] = "fp32"
 sched_sig.update({name: "i32" for name in I32[:5] + ("stride_vb", "stride_vi") + I32[5:]})
 CST = ("D_C", "D_R", "BM", "BN", "PAGED", "MASK_MODE", "num_warps")
 sched_sig.update({name: "constexpr" for name in CST})
+import torch
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
+flat = torch.zeros(128, 576, dtype=torch.bfloat16)
+desc = TensorDescriptor(flat, [128, 576], [576, 1], [64, 64], box)
+pipe_sig = {"q_ptr": "*bf16", "desc": mangle_type(desc)}
+pipe_sig.update({name: sched_sig[name] for name in ("seqlens_ptr", "bt_ptr", "vis_ptr", "out_ptr", "lse_ptr",
+                                                   "part_ptr", "plse_ptr", "T", "H", "M", "MB", "NT", "PER",
+                                                   "n_units", "qk_scale")})
+pipe_sig.update({"cap": "i32", "page_size": "i32", "stride_qb": "i32", "stride_btb": "i32"})
+pipe_sig.update({name: "i32" for name in ("stride_vb", "stride_vi") + I32[5:]})
+pipe_sig.update({name: "constexpr" for name in CST})
 builds = [(v, v, paged, 0) for v in ("double", "wide") for paged in (False, True)]
 builds += [("sched", "sched", False, 0), ("sched", "sched", True, 0), ("sched-bits", "sched", False, 1)]
+builds += [("pipe", "pipe", False, 0), ("pipe", "pipe", True, 0), ("pipe-bits", "pipe", False, 1)]
 found = {}
 for name, variant, paged, mode in builds:
     fn, bn = k.VARIANTS[variant]
-    sig = dict(sched_sig if variant == "sched" else prefix_sig)
+    sig = dict({"sched": sched_sig, "pipe": pipe_sig}.get(variant, prefix_sig))
     if mode == 1:
         sig["vis_ptr"] = "*i64"
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n in ALIGNED]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
     cst = {"D_C": 512, "D_R": 64, "BM": k.BLOCK_M, "BN": bn, "PAGED": paged, "num_warps": k.NUM_WARPS}
-    if variant == "sched":
+    if variant in ("sched", "pipe"):
         cst["MASK_MODE"] = mode
     kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": k.NUM_WARPS})
@@ -93,7 +108,7 @@ def compiled() -> dict:
 @pytest.mark.parametrize(
     "variant, cache",
     [(v, c) for v in ("sched", "double", "wide") for c in ("contiguous", "paged")]
-    + [("sched-bits", "contiguous")],
+    + [("sched-bits", "contiguous"), ("pipe", "contiguous"), ("pipe", "paged"), ("pipe-bits", "contiguous")],
 )
 def test_sm90_kernel_builds_as_designed(compiled, variant, cache):
     got = compiled[f"{variant}-{cache}"]
@@ -101,5 +116,8 @@ def test_sm90_kernel_builds_as_designed(compiled, variant, cache):
     assert got["shared"] <= MAX_SHARED, got
     assert got["local"] == 0, f"register spills: {got}"
     # per warpgroup and tile: (512 + 64) / 16 score products, each BN / 2 columns wide; BN / 16 P V
-    # products over half of d_c; nothing else
-    assert got["mma"] == {f"64x{bn // 2}x16": 36, "64x256x16": bn // 16}, got["mma"]
+    # products over half of d_c ("pipe": over each quarter of d_c, one per latent half); nothing else
+    if variant.startswith("pipe"):
+        assert got["mma"] == {f"64x{bn // 2}x16": 36, "64x128x16": bn // 8}, got["mma"]
+    else:
+        assert got["mma"] == {f"64x{bn // 2}x16": 36, "64x256x16": bn // 16}, got["mma"]

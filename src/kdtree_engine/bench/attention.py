@@ -153,7 +153,7 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     elif args.sm90_variants and kernels._sm90_ok(p["q"], p["kv"], D_C, t * h, "sched"):
         row["variants"] = [
             {"config": v, "us": round(graph_us([ours(p, backend=v) for p in problems], args.rep), 2)}
-            for v in ("sm90-sched", "sm90-wide", "sm90-double", "triton")
+            for v in ("sm90-pipe", "sm90-sched", "sm90-wide", "sm90-double", "triton")
         ]
         print(f"    sm90 variants: {row['variants']}", flush=True)
     problems.clear()
@@ -179,7 +179,7 @@ def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
         found.append({"config": list(cand), "splits": splits, "us": round(us, 2)})
     p = problems[0]
     if kernels._sm90_ok(p["q"], p["kv"], D_C, p["q"].shape[1] * p["q"].shape[2]):
-        variants = ("sm90-sched", "sm90-double", "sm90-wide")
+        variants = ("sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide")
         for variant, splits in itertools.product(variants, (None, 1, 2, 4, 8, 16)):
             us = graph_us([ours(p, None, splits, variant) for p in problems], max(20, rep // 4))
             found.append({"config": variant, "splits": splits, "us": round(us, 2)})

@@ -27,9 +27,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
+    mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 BLOCK_M = 64
 NUM_WARPS = 8  # two warpgroups
@@ -131,13 +134,33 @@ def _store_rows(acc, m_i, l_i, o_ptr, lse_ptr, blk, M, D_C: gl.constexpr, BM: gl
     """Writes the normalized output of row block blk (rows blk * BM ..) to o_ptr [M, D_C] (in its
     dtype: float32 split partials or the final output) and the rows' log-sum-exp (natural log; -inf for
     rows that saw no slot, e.g. a split with no tiles) to lse_ptr [M]."""
+    _store_cols(acc, l_i, o_ptr, blk, M, 0, D_C, BM, o_layout)
+    _store_lse(m_i, l_i, lse_ptr, blk, M, BM, s_layout)
+
+
+@gluon.jit
+def _store_cols(acc, l_i, o_ptr, blk, M, col0, D_C: gl.constexpr, BM: gl.constexpr, o_layout: gl.constexpr):
+    """acc [BM, W] / l_i -> columns col0 .. col0 + W of rows blk * BM .. of o_ptr [M, D_C]."""
+    W: gl.constexpr = acc.shape[1]
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    seen = l_o > 0
-    out = acc / gl.where(seen, l_o, 1.0)[:, None]
+    out = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
     rows_o = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, D_C, gl.SliceLayout(0, o_layout))
+    cols_o = col0 + gl.arange(0, W, gl.SliceLayout(0, o_layout))
     o_ptrs = o_ptr + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
     gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
+
+
+@gluon.jit
+def _store_halves(acc0, acc1, m_i, l_i, o_ptr, lse_ptr, blk, M, D_C: gl.constexpr, BM: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr):  # fmt: skip
+    """_store_rows for O held as two accumulators of D_C / 2 columns each."""
+    _store_cols(acc0, l_i, o_ptr, blk, M, 0, D_C, BM, o_layout)
+    _store_cols(acc1, l_i, o_ptr, blk, M, D_C // 2, D_C, BM, o_layout)
+    _store_lse(m_i, l_i, lse_ptr, blk, M, BM, s_layout)
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, lse_ptr, blk, M, BM: gl.constexpr, s_layout: gl.constexpr):
     seen_s = l_i > 0
     lse = gl.where(seen_s, (m_i + gl.log2(gl.where(seen_s, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     rows_s = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
@@ -392,6 +415,23 @@ def _tree_mask(s, vis_ptr, b, rows, pos, prefix, seqlen, M, H, stride_vb, stride
 
 
 @gluon.jit
+def _stage_q(q_ptr, b, blk, M, stride_qb, qc_smem, kr_smem, D_C: gl.constexpr, D_R: gl.constexpr,
+             BM: gl.constexpr, LD_C: gl.constexpr, LD_R: gl.constexpr, qr_reg: gl.constexpr):  # fmt: skip
+    """Row block blk's Q: the latent part into qc_smem, the rope part returned in registers (qr_reg).
+    The rope part goes through the (free) rope buffer kr_smem: a convert_layout would take 8 KB of
+    scratch shared memory on top of the buffers, more than is left."""
+    q_c, q_r = _load_q(q_ptr, b, blk, M, stride_qb, D_C, D_R, BM, LD_C, LD_R)
+    gl.thread_barrier()  # every warp is done with the previous row block's Q and tiles
+    qc_smem.store(q_c)
+    qr_stage = kr_smem.slice(0, BM)
+    qr_stage.store(q_r)
+    gl.thread_barrier()
+    q_r = qr_stage.load(qr_reg)
+    gl.thread_barrier()  # every warp has its Q rope part before the first tile's copy lands there
+    return q_r
+
+
+@gluon.jit
 def _sched_kernel(
     q_ptr,  # [b, M, D_C + D_R] (M = t * h rows, row = node * h + head)
     kv_ptr,
@@ -482,16 +522,7 @@ def _sched_kernel(
         n_free = prefix // BN  # tiles wholly inside the prefix: no mask
         v_end = gl.minimum(v_hi, gl.cdiv(seqlen, BN))
 
-        q_c, q_r = _load_q(q_ptr, b, blk, M, stride_qb, D_C, D_R, BM, ld_c, ld_r)
-        gl.thread_barrier()  # every warp is done with the previous row block's Q and tiles
-        qc_smem.store(q_c)
-        # the rope part of Q goes to registers through the (free) rope buffer: a convert_layout would
-        # take 8 KB of scratch shared memory on top of the buffers, more than is left
-        qr_stage = kr_smem.slice(0, BM)
-        qr_stage.store(q_r)
-        gl.thread_barrier()
-        q_r = qr_stage.load(qr_reg)
-        gl.thread_barrier()  # every warp has its Q rope part before the first tile's copy lands there
+        q_r = _stage_q(q_ptr, b, blk, M, stride_qb, qc_smem, kr_smem, D_C, D_R, BM, ld_c, ld_r, qr_reg)
         rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([BM, D_C], gl.float32, o_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -525,6 +556,215 @@ def _sched_kernel(
             _store_rows(acc, m_i, l_i, split, split_lse, blk, M, D_C, BM, s_layout, o_layout)
 
 
+@gluon.jit
+def _pipe_row(b, pos, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED: gl.constexpr):
+    """Row of the cache viewed as [rows, D] (the TMA descriptor) holding position pos of request b
+    (the first of 64 rows in one page); positions past seqlen are clamped to its last 64-row half, so
+    a paged cache's block table is never read past the request (those rows are zeroed after landing)."""
+    pos = gl.minimum(pos, gl.maximum((seqlen - 1) // 64 * 64, 0))
+    if PAGED:
+        page = gl.load(bt_ptr + b * stride_btb + pos // page_size)
+        return page * page_size + pos % page_size
+    return b * cap + pos
+
+
+@gluon.jit
+def _pipe_issue(desc, bar, dst, row0, row1, CH0: gl.constexpr, NCH: gl.constexpr, pred):
+    """TMA of cache columns CH0 * 64 .. (CH0 + NCH) * 64 of rows row0 .. + 64 and row1 .. + 64 into dst
+    [128, NCH * 64] (rows 0..63 and 64..127); bar completes when all of it has landed."""
+    mbarrier.expect(bar, 2 * NCH * 64 * 64 * 2, pred=pred)
+    for c in gl.static_range(NCH):
+        col = (CH0 + c) * 64
+        chunk = dst.slice(c * 64, 64, dim=1)
+        tma.async_copy_global_to_shared(desc, [row0, col], bar, chunk.slice(0, 64), pred=pred)
+        tma.async_copy_global_to_shared(desc, [row1, col], bar, chunk.slice(64, 64), pred=pred)
+
+
+@gluon.jit
+def _pipe_tile(desc, bars, g: gl.constexpr, kc_smem, kr_smem, b, pos, seqlen, bt_ptr, stride_btb, cap,
+               page_size, pred, D_C: gl.constexpr, PAGED: gl.constexpr):  # fmt: skip
+    """Starts group g of the 128-row tile at cache position pos: 0 the rope columns, 1 the first half
+    of the latent columns, 2 the second half."""
+    row0 = _pipe_row(b, pos, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
+    row1 = _pipe_row(b, pos + 64, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
+    HALF: gl.constexpr = D_C // 2
+    if g == 0:
+        _pipe_issue(desc, bars.index(0), kr_smem, row0, row1, D_C // 64, 1, pred)
+    elif g == 1:
+        _pipe_issue(desc, bars.index(1), kc_smem.slice(0, HALF, dim=1), row0, row1, 0, HALF // 64, pred)
+    else:
+        _pipe_issue(desc, bars.index(2), kc_smem.slice(HALF, HALF, dim=1), row0, row1, HALF // 64, HALF // 64,
+                    pred)  # fmt: skip
+
+
+@gluon.jit
+def _zero_rows(buf, first, limit, LD: gl.constexpr):
+    """Zeroes the rows of buf [128, W] whose cache position first + r is at or past limit (64 columns
+    at a time), so that 0 * (NaN or Inf of an unused slot) cannot reach P V."""
+    for c in gl.static_range(buf.shape[1] // 64):
+        chunk = buf.slice(c * 64, 64, dim=1)
+        x = chunk.load(LD)
+        r = first + gl.arange(0, buf.shape[0], gl.SliceLayout(1, LD))
+        chunk.store(gl.where((r < limit)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _pipe_kernel(
+    q_ptr,
+    desc,  # TMA descriptor of the cache viewed as [rows, D_C + D_R], boxes of 64 x 64
+    seqlens_ptr,
+    bt_ptr,
+    vis_ptr,
+    out_ptr,
+    lse_ptr,
+    part_ptr,
+    plse_ptr,
+    T,
+    H,
+    M,
+    MB,
+    NT,
+    PER,
+    n_units,
+    qk_scale,
+    cap,  # rows per request of a contiguous cache
+    page_size,
+    stride_qb,
+    stride_btb,
+    stride_vb,
+    stride_vi,
+    stride_pb,
+    stride_ps,
+    stride_lb,
+    stride_ls,
+    D_C: gl.constexpr,
+    D_R: gl.constexpr,
+    BM: gl.constexpr,
+    BN: gl.constexpr,
+    PAGED: gl.constexpr,
+    MASK_MODE: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """The "pipe" variant: the schedule of _sched_kernel (same units, same final / partial outputs),
+    with the tile copied by TMA in three groups, each refilled for the next tile as soon as this
+    one is done with it, so the copy overlaps the tensor work: the rope columns (group 0) after the
+    scores, the first half of the latent columns (group 1) after the first half of P V, the second
+    half (group 2) after the second. The scores wait for each group in turn, so they start on the
+    first groups while the last is still landing. O is two accumulators of D_C / 2 columns (one per
+    latent half, each split by columns between the warpgroups). Needs a cache whose 64-row halves of
+    a tile are contiguous rows (a contiguous cache, or pages of a multiple of 64 rows)."""
+    c = gl.program_id(0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    HALF: gl.constexpr = D_C // 2
+    u0 = c * PER
+    u1 = gl.minimum(u0 + PER, n_units)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BN // 2, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, HALF // 2, 16]
+    )
+    qr_reg: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D_R, D_R // 8], [num_warps, 1], [1, 0])
+    ld_z: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_C], dtype)
+    kc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_C], dtype)
+    kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, D_R], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+
+    qc_smem = gl.allocate_shared_memory(dtype, [BM, D_C], qc_sl)
+    kc_smem = gl.allocate_shared_memory(dtype, [BN, D_C], kc_sl)
+    kr_smem = gl.allocate_shared_memory(dtype, [BN, D_R], kr_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], p_sl)
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    for g in gl.static_range(3):
+        mbarrier.init(bars.index(g), count=1)
+    s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
+    cols = gl.arange(0, BN, gl.SliceLayout(0, s_layout))
+
+    it = 0  # tiles this program has waited for: the barriers' phase is it % 2
+    rb_first = u0 // NT
+    rb_last = (u1 - 1) // NT
+    for i in range(rb_last - rb_first + 1):  # row blocks last first, as in _sched_kernel
+        rb = rb_last - i
+        b = rb // MB
+        blk = rb - b * MB
+        v_lo = gl.maximum(u0 - rb * NT, 0)
+        v_hi = gl.minimum(u1 - rb * NT, NT)
+        seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
+        prefix = seqlen - T
+        n_free = prefix // BN
+        v_end = gl.minimum(v_hi, gl.cdiv(seqlen, BN))
+
+        q_r = _stage_q(q_ptr, b, blk, M, stride_qb, qc_smem, kr_smem, D_C, D_R, BM, ld_c, ld_r, qr_reg)
+        rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+        acc0 = gl.zeros([BM, HALF], gl.float32, o_layout)
+        acc1 = gl.zeros([BM, HALF], gl.float32, o_layout)
+        m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+
+        fence_async_shared()  # the rope buffer's Q staging (generic proxy) before the TMA writes there
+        for g in gl.static_range(3):
+            _pipe_tile(desc, bars, g, kc_smem, kr_smem, b, v_lo * BN, seqlen, bt_ptr, stride_btb, cap,
+                       page_size, v_lo < v_end, D_C, PAGED)  # fmt: skip
+        for v in range(v_lo, v_end):
+            phase = it & 1
+            nxt = (v + 1) * BN
+            more = v + 1 < v_end
+            if v * BN + BN > seqlen:  # the request's last tile: zero the rows past its end
+                for g in gl.static_range(3):
+                    mbarrier.wait(bars.index(g), phase)
+                _zero_rows(kr_smem, v * BN, seqlen, ld_z)
+                _zero_rows(kc_smem, v * BN, seqlen, ld_z)
+                fence_async_shared()
+                gl.thread_barrier()
+            mbarrier.wait(bars.index(0), phase)
+            s = warpgroup_mma(q_r, kr_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(bars.index(1), phase)
+            s = warpgroup_mma(qc_smem.slice(0, HALF, dim=1), kc_smem.slice(0, HALF, dim=1).permute((1, 0)), s,
+                              is_async=True)  # fmt: skip
+            mbarrier.wait(bars.index(2), phase)
+            kc_hi = kc_smem.slice(HALF, HALF, dim=1)
+            s = warpgroup_mma(qc_smem.slice(HALF, HALF, dim=1), kc_hi.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            it += 1
+            if v >= n_free:
+                s = _tree_mask(s, vis_ptr, b, rows, v * BN + cols, prefix, seqlen, M, H, stride_vb, stride_vi,
+                               MASK_MODE)  # fmt: skip
+            # (the softmax ends with a barrier: every warp is past its scores, the rope buffer is free)
+            acc0, m_new, l_i = _online_softmax(s, acc0, m_i, l_i, p_smem, qk_scale, o_layout)
+            alpha = gl.convert_layout(gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new)),
+                                      gl.SliceLayout(1, o_layout))  # fmt: skip
+            acc1 = acc1 * alpha[:, None]
+            m_i = m_new
+            _pipe_tile(desc, bars, 0, kc_smem, kr_smem, b, nxt, seqlen, bt_ptr, stride_btb, cap,
+                       page_size, more, D_C, PAGED)  # fmt: skip
+            acc0 = warpgroup_mma(p_smem, kc_smem.slice(0, HALF, dim=1), acc0, is_async=True)
+            acc1 = warpgroup_mma(p_smem, kc_smem.slice(HALF, HALF, dim=1), acc1, is_async=True)
+            acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
+            gl.thread_barrier()  # every warp is done with the first latent half
+            _pipe_tile(desc, bars, 1, kc_smem, kr_smem, b, nxt, seqlen, bt_ptr, stride_btb, cap,
+                       page_size, more, D_C, PAGED)  # fmt: skip
+            acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
+            gl.thread_barrier()  # and with the second (and with p_smem)
+            _pipe_tile(desc, bars, 2, kc_smem, kr_smem, b, nxt, seqlen, bt_ptr, stride_btb, cap,
+                       page_size, more, D_C, PAGED)  # fmt: skip
+
+        if (v_lo == 0) & (v_hi == NT):  # the whole row block: final output
+            final = out_ptr + b.to(gl.int64) * M * D_C
+            final_lse = lse_ptr + b.to(gl.int64) * M
+            _store_halves(acc0, acc1, m_i, l_i, final, final_lse, blk, M, D_C, BM, s_layout, o_layout)
+        else:
+            slot = c - (rb * NT) // PER
+            split = part_ptr + b.to(gl.int64) * stride_pb + slot.to(gl.int64) * stride_ps
+            split_lse = plse_ptr + b.to(gl.int64) * stride_lb + slot * stride_ls
+            _store_halves(acc0, acc1, m_i, l_i, split, split_lse, blk, M, D_C, BM, s_layout, o_layout)
+    for g in gl.static_range(3):
+        mbarrier.invalidate(bars.index(g))
+
+
 @functools.lru_cache(maxsize=16)
 def supported_device(device_index: int) -> bool:
     """True on CUDA devices of compute capability 9.x (wgmma); the Gluon kernel is built for sm_90a."""
@@ -544,7 +784,12 @@ def applies(q: torch.Tensor, d_v: int) -> bool:
 # persistent launch (the tree mask inside; causal calls take "wide"); "double": 64-row tiles, two
 # buffers (the next tile's copy overlaps this one); "wide": 128-row tiles, one buffer, L2 prefetch of
 # the next tile. "double" and "wide" cover the whole prefix tiles only (launch_prefix).
-VARIANTS = {"sched": (_sched_kernel, 128), "double": (_prefix_kernel, 64), "wide": (_prefix_wide_kernel, 128)}
+VARIANTS = {
+    "sched": (_sched_kernel, 128),
+    "pipe": (_pipe_kernel, 128),
+    "double": (_prefix_kernel, 64),
+    "wide": (_prefix_wide_kernel, 128),
+}
 DEFAULT_VARIANT = "sched"
 MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
 
@@ -583,6 +828,33 @@ def launch_sched(q, kv_cache, cache_seqlens, bt, vis, mask_mode, stride_vb, stri
         q.stride(0), kv_cache.stride(0), kv_cache.stride(1), bt.stride(0), stride_vb, stride_vi,
         part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
         D_C=d_c, D_R=d - d_c, BM=BLOCK_M, BN=VARIANTS["sched"][1], PAGED=paged, MASK_MODE=mask_mode,
+        num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+def pipe_applies(kv_cache: torch.Tensor, paged: bool) -> bool:
+    """The "pipe" kernel reads the cache by TMA as one [rows, d] matrix in 64-row boxes: the cache must
+    be contiguous, and a paged cache's pages a multiple of 64 rows."""
+    return kv_cache.is_contiguous() and (not paged or kv_cache.shape[1] % 64 == 0)
+
+
+def launch_pipe(q, kv_cache, cache_seqlens, bt, vis, mask_mode, stride_vb, stride_vi, out, lse, part, plse,
+                t, h, rows, qk_scale, paged, page_size, programs, per, tiles):  # fmt: skip
+    """Runs the "pipe" kernel (the "sched" schedule and outputs; see pipe_applies)."""
+    b, d = q.shape[0], q.shape[-1]
+    d_c = out.shape[-1]
+    blocks = -(-rows // BLOCK_M)
+    flat = kv_cache.view(-1, d)
+    layout = gl.NVMMASharedLayout.get_default_for(
+        [64, 64], gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    )
+    desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [64, 64], layout)
+    _pipe_kernel[(programs,)](
+        q, desc, cache_seqlens, bt, vis, out, lse, part, plse,
+        t, h, rows, blocks, tiles, per, b * blocks * tiles, qk_scale, kv_cache.shape[1], page_size,
+        q.stride(0), bt.stride(0), stride_vb, stride_vi,
+        part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
+        D_C=d_c, D_R=d - d_c, BM=BLOCK_M, BN=VARIANTS["pipe"][1], PAGED=paged, MASK_MODE=mask_mode,
         num_warps=NUM_WARPS,
     )  # fmt: skip
 
