@@ -1,4 +1,4 @@
-"""Hopper (sm_90) fast path of the tree-verify MLA attention: the unmasked prefix in Gluon.
+"""Hopper (sm_90) fast path of the tree-verify MLA attention in Gluon.
 
 Why a second kernel: in Triton, a 64-row block with 8 warps makes both warpgroups compute the same
 score tile (a chained dot gets warps [8, 1]), 1.53x the useful tensor work (docs/attention.md). Gluon
@@ -7,14 +7,16 @@ warpgroups; the score tile S = Q K^T [64, BN] is split by columns between the wa
 (warps [4, 2]), P goes through shared memory, and O [64, d_c] is split by columns too (each
 warpgroup owns 64 x d_c/2 fp32 accumulators). Every tensor-core product is done once.
 
-Two variants (VARIANTS): "wide" (default; BN = 128 cache rows per tile in one buffer, rope part of Q
-in registers, the next tile prefetched into the L2) and "double" (BN = 64, two buffers, the next
-tile's copy overlapping this one). They cover only the whole BN tiles that lie inside the prefix (no
-mask at all: every prefix slot is visible to every tree node). The rest of each request (the last
-partial prefix tile plus the t tree slots, with the tree mask) runs through the Triton kernel as one
-more split, and the splits are merged by log-sum-exp (kernels/mla_attention.py). Compiled only on
-CUDA devices of compute capability 9.x; the Triton kernel serves other GPUs and CI (the interpreter
-does not run Gluon).
+Variants (VARIANTS): "pipe" (default for tree masks) and "sched" run the whole tree attention (prefix
+and masked tree tiles) in one persistent launch with a balanced schedule over (row block, 128-slot
+tile) units, then a log-sum-exp merge of the row blocks the balance cut (kernels/mla_attention.py);
+"pipe" copies each tile by TMA in three mbarrier groups refilled as soon as they are consumed, so the
+copy overlaps the tensor work; "sched" copies by cp.async (any page size). For causal calls, "wide"
+(BN = 128 cache rows per tile in one buffer, the next tile prefetched into the L2) or "double" (BN =
+64, two buffers) cover the whole BN tiles inside the prefix, and the rest of each request (the last
+partial prefix tile plus the tree slots, masked) runs through the Triton kernel as one more split.
+Compiled only on CUDA devices of compute capability 9.x; the Triton kernel serves other GPUs and CI
+(the interpreter does not run Gluon).
 """
 
 from __future__ import annotations
@@ -780,8 +782,10 @@ def applies(q: torch.Tensor, d_v: int) -> bool:
     return (d_v, q.shape[-1] - d_v) in SHAPES and supported_device(q.get_device())
 
 
-# name -> (kernel, cache rows per tile); "sched" (default): the whole tree attention in one balanced
-# persistent launch (the tree mask inside; causal calls take "wide"); "double": 64-row tiles, two
+# name -> (kernel, cache rows per tile); "pipe" (default): the whole tree attention in one balanced
+# persistent launch (the tree mask inside; causal calls take "wide"), the tile copied by TMA and
+# overlapped with the tensor work (contiguous caches or pages of a multiple of 64 rows; else "sched");
+# "sched": the same schedule, tile copied by cp.async, not overlapped; "double": 64-row tiles, two
 # buffers (the next tile's copy overlaps this one); "wide": 128-row tiles, one buffer, L2 prefetch of
 # the next tile. "double" and "wide" cover the whole prefix tiles only (launch_prefix).
 VARIANTS = {
@@ -790,7 +794,7 @@ VARIANTS = {
     "double": (_prefix_kernel, 64),
     "wide": (_prefix_wide_kernel, 128),
 }
-DEFAULT_VARIANT = "sched"
+DEFAULT_VARIANT = "pipe"
 MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
 
 
