@@ -98,3 +98,16 @@ def test_schedule_is_balanced():
     # many row blocks per program: whole blocks, no partials
     programs, per, n_slots = sm90.schedule(64, 33, 2, 132)
     assert per % 2 == 0 and n_slots == 0 and programs <= 132
+
+
+def test_pipe_serves_the_caches_its_tma_boxes_fit():
+    """"pipe" (the "sched" schedule with TMA copies in 64 x 64 boxes) takes contiguous caches and pages of
+    a multiple of 64 rows; anything else is left to "sched" (cp.async reads any page size)."""
+    d = 576
+    assert sm90.pipe_applies(torch.zeros(2, 300, d), paged=False)
+    assert sm90.pipe_applies(torch.zeros(9, 64, d), paged=True)
+    assert sm90.pipe_applies(torch.zeros(9, 128, d), paged=True)
+    assert not sm90.pipe_applies(torch.zeros(9, 16, d), paged=True)
+    assert not sm90.pipe_applies(torch.zeros(9, 1, d), paged=True)
+    assert not sm90.pipe_applies(torch.zeros(2, 300, d)[:, ::2], paged=False)  # rows not contiguous
+    assert sm90.VARIANTS["pipe"][1] == sm90.VARIANTS["sched"][1]  # one schedule, one merge for both
