@@ -469,9 +469,9 @@ def logits_topk(
     (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
 
     variant: "thresh" (default: _partials2_kernel then _select_thresh_kernel: a threshold from
-    super-group maxima, then only the logits >= it are sorted; 129 us at B=64, L=15, V=163840, k=32,
-    bf16, on the H200, 2026-12-02, against 70 us for a Triton kernel that only reads the same logits
-    and 97 us for torch.amax), "fused" (the
+    super-group maxima, then only the logits >= it are sorted; 115 us at B=64, L=15, V=163840, k=32,
+    bf16, on the H200, 2026-12-02 16:22 UTC, against 71 us for a Triton kernel that only reads the same
+    logits and 97 us for torch.amax), "fused" (the
     same partials and select in one launch, the last program of each row doing the select; 183 us:
     the selects hold their block slots and slow the stream), "compact" (bisection over all group
     maxima; 198 us) or "sort" (sorts every logit of the candidate groups; 443 us); same output.
