@@ -101,8 +101,8 @@ def test_schedule_is_balanced():
 
 
 def test_pipe_serves_the_caches_its_tma_boxes_fit():
-    """"pipe" (the "sched" schedule with TMA copies in 64 x 64 boxes) takes contiguous caches and pages of
-    a multiple of 64 rows; anything else is left to "sched" (cp.async reads any page size)."""
+    """The "pipe" kernel (the "sched" schedule with TMA copies in 64 x 64 boxes) takes contiguous caches
+    and pages of a multiple of 64 rows; anything else is left to "sched" (cp.async reads any page size)."""
     d = 576
     assert sm90.pipe_applies(torch.zeros(2, 300, d), paged=False)
     assert sm90.pipe_applies(torch.zeros(9, 64, d), paged=True)
