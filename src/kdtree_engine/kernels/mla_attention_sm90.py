@@ -116,7 +116,8 @@ def _load_q(q_ptr, b, pid_m, M, stride_qb, D_C: gl.constexpr, D_R: gl.constexpr,
 def _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout: gl.constexpr):
     """One tile's softmax step: scores s (raw, both warpgroups' column halves; -inf where masked) -> P
     (bf16/fp16) in p_smem, visible to every warp on return; running max m_i and sum l_i updated; acc
-    rescaled to the new max, ready for acc += P V. Returns (acc, m_i, l_i)."""
+    rescaled to the new max, ready for acc += P V. Returns (acc, m_i, l_i, alpha): alpha (in o_layout's
+    row slice) rescales any further accumulator of the same rows."""
     s = s * qk_scale
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet (masked)
@@ -126,8 +127,8 @@ def _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout: gl.constexpr):
     p_smem.store(p.to(p_smem.dtype))
     fence_async_shared()
     gl.thread_barrier()
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    return acc, m_new, l_i
+    alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+    return acc * alpha[:, None], m_new, l_i, alpha
 
 
 @gluon.jit
@@ -248,7 +249,7 @@ def _prefix_kernel(
                     bt_ptr, stride_btb, stride_kb, stride_ks, page_size, i + 1 < n_tiles, D_C, D_R, BN, PAGED,
                     ld_c, ld_r)  # fmt: skip
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
+        acc, m_i, l_i, _ = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
         acc = warpgroup_mma(p_smem, kc, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         cp.wait_group(0)  # this thread's part of tile i + 1 landed
@@ -304,7 +305,7 @@ def _wide_accumulate(s, acc, m_i, l_i, p_smem, kc_smem, kr_smem, qk_scale, kv_pt
     """One-buffer tile step, second half: online softmax of the (masked) scores s, acc += P V, then
     the copy of the next tile (rows nxt .., limit as in _issue_tile) into the freed buffer.
     Returns (acc, m_i, l_i)."""
-    acc, m_i, l_i = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
+    acc, m_i, l_i, _ = _online_softmax(s, acc, m_i, l_i, p_smem, qk_scale, o_layout)
     acc = warpgroup_mma(p_smem, kc_smem, acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     gl.thread_barrier()  # every warp is done with the tile and p_smem
@@ -417,6 +418,36 @@ def _tree_mask(s, vis_ptr, b, rows, pos, prefix, seqlen, M, H, stride_vb, stride
 
 
 @gluon.jit
+def _row_block(rb, u0, u1, MB, NT, seqlens_ptr, T, BN: gl.constexpr):
+    """Row block rb (of b * MB) of a "sched" / "pipe" program with units u0 .. u1 - 1: (b, blk, v_lo,
+    v_hi, v_end, seqlen, prefix, n_free). The program's tiles of it are v_lo .. v_hi - 1, those that
+    hold cache slots v_lo .. v_end - 1; tiles below n_free lie wholly inside the prefix (no mask)."""
+    b = rb // MB
+    blk = rb - b * MB
+    v_lo = gl.maximum(u0 - rb * NT, 0)
+    v_hi = gl.minimum(u1 - rb * NT, NT)
+    seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
+    prefix = seqlen - T
+    v_end = gl.minimum(v_hi, gl.cdiv(seqlen, BN))
+    return b, blk, v_lo, v_hi, v_end, seqlen, prefix, prefix // BN
+
+
+@gluon.jit
+def _final_ptrs(out_ptr, lse_ptr, b, M, D_C: gl.constexpr):
+    """Request b's rows of the final output [b, M, D_C] and lse [b, M]."""
+    return out_ptr + b.to(gl.int64) * M * D_C, lse_ptr + b.to(gl.int64) * M
+
+
+@gluon.jit
+def _slot_ptrs(part_ptr, plse_ptr, b, c, rb, NT, PER, stride_pb, stride_ps, stride_lb, stride_ls):
+    """Program c's float32 partial slot of row block rb (slot c - (rb * NT) // PER: the j-th program to
+    meet the row block writes slot j), in part [b, J, M, D_C] and plse [b, J, M]."""
+    slot = c - (rb * NT) // PER
+    split = part_ptr + b.to(gl.int64) * stride_pb + slot.to(gl.int64) * stride_ps
+    return split, plse_ptr + b.to(gl.int64) * stride_lb + slot * stride_ls
+
+
+@gluon.jit
 def _stage_q(q_ptr, b, blk, M, stride_qb, qc_smem, kr_smem, D_C: gl.constexpr, D_R: gl.constexpr,
              BM: gl.constexpr, LD_C: gl.constexpr, LD_R: gl.constexpr, qr_reg: gl.constexpr):  # fmt: skip
     """Row block blk's Q: the latent part into qc_smem, the rope part returned in registers (qr_reg).
@@ -515,14 +546,7 @@ def _sched_kernel(
     # start at tile (c * PER) % NT and no two would meet.
     for i in range(rb_last - rb_first + 1):
         rb = rb_last - i
-        b = rb // MB
-        blk = rb - b * MB
-        v_lo = gl.maximum(u0 - rb * NT, 0)  # this program's tiles of the row block: v_lo .. v_hi - 1
-        v_hi = gl.minimum(u1 - rb * NT, NT)
-        seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
-        prefix = seqlen - T
-        n_free = prefix // BN  # tiles wholly inside the prefix: no mask
-        v_end = gl.minimum(v_hi, gl.cdiv(seqlen, BN))
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _row_block(rb, u0, u1, MB, NT, seqlens_ptr, T, BN)
 
         q_r = _stage_q(q_ptr, b, blk, M, stride_qb, qc_smem, kr_smem, D_C, D_R, BM, ld_c, ld_r, qr_reg)
         rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
@@ -548,13 +572,11 @@ def _sched_kernel(
         cp.wait_group(0)
 
         if (v_lo == 0) & (v_hi == NT):  # the whole row block: final output
-            final = out_ptr + b.to(gl.int64) * M * D_C
-            final_lse = lse_ptr + b.to(gl.int64) * M
+            final, final_lse = _final_ptrs(out_ptr, lse_ptr, b, M, D_C)
             _store_rows(acc, m_i, l_i, final, final_lse, blk, M, D_C, BM, s_layout, o_layout)
         else:
-            slot = c - (rb * NT) // PER
-            split = part_ptr + b.to(gl.int64) * stride_pb + slot.to(gl.int64) * stride_ps
-            split_lse = plse_ptr + b.to(gl.int64) * stride_lb + slot * stride_ls
+            split, split_lse = _slot_ptrs(part_ptr, plse_ptr, b, c, rb, NT, PER, stride_pb, stride_ps,
+                                          stride_lb, stride_ls)  # fmt: skip
             _store_rows(acc, m_i, l_i, split, split_lse, blk, M, D_C, BM, s_layout, o_layout)
 
 
@@ -691,14 +713,7 @@ def _pipe_kernel(
     rb_last = (u1 - 1) // NT
     for i in range(rb_last - rb_first + 1):  # row blocks last first, as in _sched_kernel
         rb = rb_last - i
-        b = rb // MB
-        blk = rb - b * MB
-        v_lo = gl.maximum(u0 - rb * NT, 0)
-        v_hi = gl.minimum(u1 - rb * NT, NT)
-        seqlen = gl.load(seqlens_ptr + b).to(gl.int32)
-        prefix = seqlen - T
-        n_free = prefix // BN
-        v_end = gl.minimum(v_hi, gl.cdiv(seqlen, BN))
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _row_block(rb, u0, u1, MB, NT, seqlens_ptr, T, BN)
 
         q_r = _stage_q(q_ptr, b, blk, M, stride_qb, qc_smem, kr_smem, D_C, D_R, BM, ld_c, ld_r, qr_reg)
         rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
@@ -736,11 +751,8 @@ def _pipe_kernel(
                 s = _tree_mask(s, vis_ptr, b, rows, v * BN + cols, prefix, seqlen, M, H, stride_vb, stride_vi,
                                MASK_MODE)  # fmt: skip
             # (the softmax ends with a barrier: every warp is past its scores, the rope buffer is free)
-            acc0, m_new, l_i = _online_softmax(s, acc0, m_i, l_i, p_smem, qk_scale, o_layout)
-            alpha = gl.convert_layout(gl.exp2(m_i - gl.where(m_new == float("-inf"), 0.0, m_new)),
-                                      gl.SliceLayout(1, o_layout))  # fmt: skip
+            acc0, m_i, l_i, alpha = _online_softmax(s, acc0, m_i, l_i, p_smem, qk_scale, o_layout)
             acc1 = acc1 * alpha[:, None]
-            m_i = m_new
             _pipe_tile(desc, bars, 0, kc_smem, kr_smem, b, nxt, seqlen, bt_ptr, stride_btb, cap,
                        page_size, more, D_C, PAGED)  # fmt: skip
             acc0 = warpgroup_mma(p_smem, kc_smem.slice(0, HALF, dim=1), acc0, is_async=True)
@@ -755,13 +767,11 @@ def _pipe_kernel(
                        page_size, more, D_C, PAGED)  # fmt: skip
 
         if (v_lo == 0) & (v_hi == NT):  # the whole row block: final output
-            final = out_ptr + b.to(gl.int64) * M * D_C
-            final_lse = lse_ptr + b.to(gl.int64) * M
+            final, final_lse = _final_ptrs(out_ptr, lse_ptr, b, M, D_C)
             _store_halves(acc0, acc1, m_i, l_i, final, final_lse, blk, M, D_C, BM, s_layout, o_layout)
         else:
-            slot = c - (rb * NT) // PER
-            split = part_ptr + b.to(gl.int64) * stride_pb + slot.to(gl.int64) * stride_ps
-            split_lse = plse_ptr + b.to(gl.int64) * stride_lb + slot * stride_ls
+            split, split_lse = _slot_ptrs(part_ptr, plse_ptr, b, c, rb, NT, PER, stride_pb, stride_ps,
+                                          stride_lb, stride_ls)  # fmt: skip
             _store_halves(acc0, acc1, m_i, l_i, split, split_lse, blk, M, D_C, BM, s_layout, o_layout)
     for g in gl.static_range(3):
         mbarrier.invalidate(bars.index(g))
