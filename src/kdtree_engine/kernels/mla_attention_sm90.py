@@ -605,12 +605,16 @@ def _pipe_issue(desc, bar, dst, row0, row1, CH0: gl.constexpr, NCH: gl.constexpr
 
 
 @gluon.jit
-def _pipe_tile(desc, bars, g: gl.constexpr, kc_smem, kr_smem, b, pos, seqlen, bt_ptr, stride_btb, cap,
-               page_size, pred, D_C: gl.constexpr, PAGED: gl.constexpr):  # fmt: skip
-    """Starts group g of the 128-row tile at cache position pos: 0 the rope columns, 1 the first half
-    of the latent columns, 2 the second half."""
+def _pipe_rows(b, pos, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED: gl.constexpr):
+    """(row0, row1): the cache rows (_pipe_row) of the two 64-row halves of the tile at position pos."""
     row0 = _pipe_row(b, pos, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
-    row1 = _pipe_row(b, pos + 64, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
+    return row0, _pipe_row(b, pos + 64, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
+
+
+@gluon.jit
+def _pipe_tile(desc, bars, g: gl.constexpr, kc_smem, kr_smem, row0, row1, pred, D_C: gl.constexpr):
+    """Starts group g of the 128-row tile whose halves are cache rows row0 .. and row1 .. (_pipe_rows):
+    0 the rope columns, 1 the first half of the latent columns, 2 the second half."""
     HALF: gl.constexpr = D_C // 2
     if g == 0:
         _pipe_issue(desc, bars.index(0), kr_smem, row0, row1, D_C // 64, 1, pred)
@@ -723,9 +727,9 @@ def _pipe_kernel(
         l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
 
         fence_async_shared()  # the rope buffer's Q staging (generic proxy) before the TMA writes there
+        row0, row1 = _pipe_rows(b, v_lo * BN, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
         for g in gl.static_range(3):
-            _pipe_tile(desc, bars, g, kc_smem, kr_smem, b, v_lo * BN, seqlen, bt_ptr, stride_btb, cap,
-                       page_size, v_lo < v_end, D_C, PAGED)  # fmt: skip
+            _pipe_tile(desc, bars, g, kc_smem, kr_smem, row0, row1, v_lo < v_end, D_C)
         for v in range(v_lo, v_end):
             phase = it & 1
             nxt = (v + 1) * BN
@@ -753,18 +757,17 @@ def _pipe_kernel(
             # (the softmax ends with a barrier: every warp is past its scores, the rope buffer is free)
             acc0, m_i, l_i, alpha = _online_softmax(s, acc0, m_i, l_i, p_smem, qk_scale, o_layout)
             acc1 = acc1 * alpha[:, None]
-            _pipe_tile(desc, bars, 0, kc_smem, kr_smem, b, nxt, seqlen, bt_ptr, stride_btb, cap,
-                       page_size, more, D_C, PAGED)  # fmt: skip
+            # the next tile's cache rows (a paged cache's block table read once for its three groups)
+            row0, row1 = _pipe_rows(b, nxt, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
+            _pipe_tile(desc, bars, 0, kc_smem, kr_smem, row0, row1, more, D_C)
             acc0 = warpgroup_mma(p_smem, kc_smem.slice(0, HALF, dim=1), acc0, is_async=True)
             acc1 = warpgroup_mma(p_smem, kc_smem.slice(HALF, HALF, dim=1), acc1, is_async=True)
             acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0,))
             gl.thread_barrier()  # every warp is done with the first latent half
-            _pipe_tile(desc, bars, 1, kc_smem, kr_smem, b, nxt, seqlen, bt_ptr, stride_btb, cap,
-                       page_size, more, D_C, PAGED)  # fmt: skip
+            _pipe_tile(desc, bars, 1, kc_smem, kr_smem, row0, row1, more, D_C)
             acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1,))
             gl.thread_barrier()  # and with the second (and with p_smem)
-            _pipe_tile(desc, bars, 2, kc_smem, kr_smem, b, nxt, seqlen, bt_ptr, stride_btb, cap,
-                       page_size, more, D_C, PAGED)  # fmt: skip
+            _pipe_tile(desc, bars, 2, kc_smem, kr_smem, row0, row1, more, D_C)
 
         if (v_lo == 0) & (v_hi == NT):  # the whole row block: final output
             final, final_lse = _final_ptrs(out_ptr, lse_ptr, b, M, D_C)
