@@ -468,8 +468,9 @@ def _merge(part, plse, out, lse, rows, splits, d_v, sched=(0, 1, 0, 0)):
     """sched: (NT, PER, MB, BM) of the sm_90 "sched" launch (see _merge_kernel), else plain splits.
     On a GPU one row per program and one warp: the most programs in flight (H200, 2026-12-02, after
     "pipe" at b = 16, d_c = 512: 15.2 instead of 17.6 us at h = 64, t = 9, s = 4k, 12.1 instead of 18.5
-    at h = 64, t = 1, 8.2 instead of 11.5 at h = 8, t = 9; 16 rows and 4 warps were the slowest of nine
-    shapes but one). The CPU interpreter keeps 16-row programs (fewer to step through)."""
+    at h = 64, t = 1, 8.2 instead of 11.5 at h = 8, t = 9; one row and one warp was the fastest of nine
+    shapes at every point, 16 rows and 4 warps the second or third slowest). The CPU interpreter keeps
+    16-row programs (fewer to step through)."""
     block_r, warps = (1, 1) if part.is_cuda else (16, 4)
     nt, per, mb, bm = sched
     _merge_kernel[(triton.cdiv(rows, block_r), part.shape[0])](
