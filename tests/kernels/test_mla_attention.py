@@ -273,7 +273,9 @@ def test_gpu_split_counts(device, splits):
 # The sm_90 Gluon prefix kernel (kernels/mla_attention_sm90.py) serves bf16/fp16 with t*h > 16 on
 # Hopper under backend="auto"; the sweeps above run it there. These pin each backend explicitly.
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide", "triton"])
+@pytest.mark.parametrize(
+    "backend", ["sm90-pipe", "sm90-sched", "sm90-roles", "sm90-double", "sm90-wide", "triton"]
+)
 @pytest.mark.parametrize("page", [None, 1, 16, 64])
 @pytest.mark.parametrize("splits", [None, 1, 3, 5])
 def test_gpu_backends(device, backend, page, splits):
@@ -291,7 +293,7 @@ def test_gpu_backends(device, backend, page, splits):
 # block cut into that many runs, so programs start and end mid-block and span block edges), and the
 # causal fallback (causal calls take the "wide" prefix kernel plus the Triton tail).
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sm90-pipe", "sm90-sched"])
+@pytest.mark.parametrize("backend", ["sm90-pipe", "sm90-sched", "sm90-roles"])
 @pytest.mark.parametrize("mask", ["visibility", "bits", "causal"])
 @pytest.mark.parametrize("splits", [None, 2, 7])
 @pytest.mark.parametrize(
@@ -360,7 +362,7 @@ def test_public_backend_choice(device, monkeypatch):
 
     assert attention.BACKENDS == kernels.BACKENDS
     pinned = {name[5:] for name in attention.BACKENDS if name.startswith("sm90-")}
-    assert pinned == set(sm90.VARIANTS) | {"swap"}
+    assert pinned == set(sm90.VARIANTS) | {"swap", "roles"}
     gen = torch.Generator().manual_seed(1)
     q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
     q, kv, lengths, vis = (x.to(device) for x in (q, kv, lengths, vis))

@@ -163,7 +163,7 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     elif args.sm90_variants and kernels._sm90_ok(p["q"], p["kv"], D_C, t * h, "sched"):
         from kdtree_engine.kernels import mla_attention_swap as swap
 
-        names = ["sm90-pipe", "sm90-sched", "sm90-wide", "sm90-double", "triton"]
+        names = ["sm90-roles", "sm90-pipe", "sm90-sched", "sm90-wide", "sm90-double", "triton"]
         if swap.applies(p["kv"], p["block_table"] is not None, t * h, D_C):
             names.insert(0, "sm90-swap")
         row["variants"] = [

@@ -438,22 +438,26 @@ def tree_mla_attention(
                 _merge(part, plse, out, lse, rows, n_slots, d_v, sched=(tiles, per, 1, swap.MAX_ROWS))
             return out, lse
         chosen = variant or fast.DEFAULT_VARIANT
-        if chosen in ("pipe", "sched") and not causal:
+        if chosen in ("pipe", "sched", "roles") and not causal:
+            from . import mla_attention_roles as roles
+
+            if not fast.pipe_applies(kv_cache, paged):  # no TMA boxes (e.g. pages of 1): "sched"
+                chosen = "sched"
             blocks = triton.cdiv(rows, fast.BLOCK_M)
-            tiles = triton.cdiv(max_seqlen or capacity, fast.tile_rows("sched"))
+            unit = roles.ROWS if chosen == "roles" else fast.tile_rows("sched")
+            tiles = triton.cdiv(max_seqlen or capacity, unit)
             programs, per, n_slots = fast.schedule(b, blocks, tiles, slots, num_splits)
             part, plse = out, lse  # not written when no row block is cut
             if n_slots:
                 part = torch.empty(b, n_slots, rows, d_v, dtype=torch.float32, device=q.device)
                 plse = torch.empty(b, n_slots, rows, dtype=torch.float32, device=q.device)
-            pipe = chosen == "pipe" and fast.pipe_applies(kv_cache, paged)  # else "sched" (e.g. pages of 1)
-            launch = fast.launch_pipe if pipe else fast.launch_sched
+            launch = {"pipe": fast.launch_pipe, "sched": fast.launch_sched, "roles": roles.launch}[chosen]
             launch(q, kv_cache, cache_seqlens, bt, vis, mode, svb, svi, out, lse, part, plse, t, h, rows,
                    qk_scale, paged, page_size, programs, per, tiles)  # fmt: skip
             if n_slots:
                 _merge(part, plse, out, lse, rows, n_slots, d_v, sched=(tiles, per, blocks, fast.BLOCK_M))
             return out, lse
-        if variant in (None, "pipe", "sched"):  # causal: the pipe / sched kernels have no causal mask
+        if variant in (None, "pipe", "sched", "roles"):  # causal: these kernels have no causal mask
             variant = "wide"
         if num_splits is None:
             sm90_cfg = Config(block_m=fast.BLOCK_M, block_n=fast.tile_rows(variant), num_warps=8)
