@@ -12,9 +12,7 @@ from kdtree_engine.ref import mla_attention as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: impl="ref" only
 # the sm90-* names are "sm90-" + kernels.mla_attention_sm90.VARIANTS (a test holds them equal)
-BACKENDS = (
-    "auto", "triton", "sm90", "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide", "sm90-swap", "sm90-roles"
-)  # fmt: skip
+BACKENDS = ("auto", "triton", "sm90", "sm90-roles", "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide")
 BACKEND_ENV = "KDTREE_ATTENTION_BACKEND"
 INT_DTYPES = (torch.int32, torch.int64)
 
@@ -44,8 +42,8 @@ def tree_mla_attention(
     need one host sync and are skipped while a CUDA graph is being captured.
     backend (kernels only): "auto" (default: the Hopper Gluon kernel for the prefix where it applies,
     see docs/attention.md, else the Triton kernel), "triton" (the Triton kernel alone), "sm90",
-    "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide", "sm90-swap", "sm90-roles"; None reads the
-    environment variable KDTREE_ATTENTION_BACKEND (so a whole model can be switched), else "auto".
+    "sm90-roles", "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide"; None reads the environment
+    variable KDTREE_ATTENTION_BACKEND (so a whole model can be switched), else "auto".
     """
     _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
     max_seqlen = _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table)

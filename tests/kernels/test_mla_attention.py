@@ -309,41 +309,6 @@ def test_gpu_sched(device, backend, mask, splits, t, h, page):
           mask=mask, num_splits=splits, backend=backend)  # fmt: skip
 
 
-# The "swap" kernel (kernels/mla_attention_swap.py, t*h <= 64: cache slots on the wgmma M side): one
-# and two warpgroups (t*h <= 32 and 33-64), every query-column padding (8, 16, 32, 64), each mask,
-# ragged prefixes around the 64-slot tile edge, requests cut into 1, 3 and 7 programs.
-@pytest.mark.gpu
-@pytest.mark.parametrize("mask", ["visibility", "bits", "causal"])
-@pytest.mark.parametrize("splits", [None, 1, 3, 7])
-@pytest.mark.parametrize(
-    "t,h,page",
-    [(1, 8, None), (1, 8, 64), (2, 8, None), (1, 1, None), (3, 3, 64), (5, 4, None), (4, 8, 64),
-     (33, 1, None), (7, 8, None), (1, 64, 64), (64, 1, None)],
-)  # fmt: skip
-def test_gpu_swap(device, mask, splits, t, h, page):
-    from kdtree_engine.kernels import mla_attention_sm90 as sm90
-
-    if not sm90.supported_device(torch.device(device).index or 0):
-        pytest.skip("sm90 backend needs a compute capability 9.x GPU")
-    tree = "chain" if mask == "causal" else "random"
-    check(device, 6, t, h, 512, 64, PREFIXES, torch.bfloat16, page, tree, seed=t * 7 + h, mask=mask,
-          num_splits=splits, backend="sm90-swap")  # fmt: skip
-
-
-@pytest.mark.gpu
-def test_gpu_swap_refuses_what_it_cannot_serve(device):
-    from kdtree_engine.kernels import mla_attention_sm90 as sm90
-
-    if not sm90.supported_device(torch.device(device).index or 0):
-        pytest.skip("sm90 backend needs a compute capability 9.x GPU")
-    gen = torch.Generator().manual_seed(3)
-    for t, h, page in ((9, 8, None), (1, 8, 16)):  # 72 rows; pages of 16 rows (no 64-row TMA boxes)
-        q, kv, lengths, vis, _, bt = make_inputs(1, t, h, 512, 64, [70], torch.bfloat16, page, "chain", gen)
-        args = [x.to(device) if x is not None else None for x in (q, kv, lengths, vis, bt)]
-        with pytest.raises(ValueError, match="^backend: 'sm90-swap'"):
-            kernels.tree_mla_attention(*args[:4], 0.1, 512, args[4], backend="sm90-swap")
-
-
 def test_backend_argument_is_checked(device):
     gen = torch.Generator().manual_seed(0)
     q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
@@ -362,7 +327,10 @@ def test_public_backend_choice(device, monkeypatch):
 
     assert attention.BACKENDS == kernels.BACKENDS
     pinned = {name[5:] for name in attention.BACKENDS if name.startswith("sm90-")}
-    assert pinned == set(sm90.VARIANTS) | {"swap", "roles"}
+    assert pinned == set(sm90.VARIANTS) | {"roles"}
+    from kdtree_engine.kernels import mla_attention_roles as roles
+
+    assert sm90.tile_rows("roles") == roles.ROWS  # the dispatcher's schedule unit is the kernel's tile
     gen = torch.Generator().manual_seed(1)
     q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
     q, kv, lengths, vis = (x.to(device) for x in (q, kv, lengths, vis))

@@ -22,6 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from kdtree_engine.kernels import mla_attention_sm90 as k
+from kdtree_engine.kernels import mla_attention_roles as roles
 
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 I32 = ("page_size", "stride_qb", "stride_kb", "stride_ks", "stride_btb", "stride_pb", "stride_ps",
@@ -53,23 +54,27 @@ pipe_sig.update({name: sched_sig[name] for name in ("seqlens_ptr", "bt_ptr", "vi
 pipe_sig.update({"cap": "i32", "page_size": "i32", "stride_qb": "i32", "stride_btb": "i32"})
 pipe_sig.update({name: "i32" for name in ("stride_vb", "stride_vi") + I32[5:]})
 pipe_sig.update({name: "constexpr" for name in CST})
+roles_sig = {name: ty for name, ty in pipe_sig.items() if name not in ("BM", "BN")}
 builds = [(v, v, paged, 0) for v in ("double", "wide") for paged in (False, True)]
 builds += [("sched", "sched", False, 0), ("sched", "sched", True, 0), ("sched-bits", "sched", False, 1)]
 builds += [("pipe", "pipe", False, 0), ("pipe", "pipe", True, 0), ("pipe-bits", "pipe", False, 1)]
+builds += [("roles", "roles", False, 0), ("roles", "roles", True, 0), ("roles-bits", "roles", False, 1)]
 found = {}
 for name, variant, paged, mode in builds:
-    fn, bn = k.VARIANTS[variant]
-    sig = dict({"sched": sched_sig, "pipe": pipe_sig}.get(variant, prefix_sig))
+    fn, bn = (roles._roles_kernel, roles.ROWS) if variant == "roles" else k.VARIANTS[variant]
+    sig = dict({"sched": sched_sig, "pipe": pipe_sig, "roles": roles_sig}.get(variant, prefix_sig))
     if mode == 1:
         sig["vis_ptr"] = "*i64"
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n in ALIGNED]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
     cst = {"D_C": 512, "D_R": 64, "BM": k.BLOCK_M, "BN": bn, "PAGED": paged, "num_warps": k.NUM_WARPS}
-    if variant in ("sched", "pipe"):
+    if variant in ("sched", "pipe", "roles"):
         cst["MASK_MODE"] = mode
+    if variant == "roles":  # one warpgroup; the other is its warp_specialize worker partition
+        cst = {key: val for key, val in cst.items() if key not in ("BM", "BN")} | {"num_warps": 4}
     kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": k.NUM_WARPS})
+                            options={"num_warps": cst["num_warps"]})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"]); f.flush()
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
@@ -82,7 +87,7 @@ for name, variant, paged, mode in builds:
     found[f"{name}-{'paged' if paged else 'contiguous'}"] = {
         "bn": bn, "shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
         "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
-        "mma": mma}
+        "warps": kernel.metadata.num_warps, "mma": mma}
 print(json.dumps(found))
 """
 
@@ -109,7 +114,8 @@ def compiled() -> dict:
 @pytest.mark.parametrize(
     "variant, cache",
     [(v, c) for v in ("sched", "double", "wide") for c in ("contiguous", "paged")]
-    + [("sched-bits", "contiguous"), ("pipe", "contiguous"), ("pipe", "paged"), ("pipe-bits", "contiguous")],
+    + [("sched-bits", "contiguous"), ("pipe", "contiguous"), ("pipe", "paged"), ("pipe-bits", "contiguous")]
+    + [("roles", "contiguous"), ("roles", "paged"), ("roles-bits", "contiguous")],
 )
 def test_sm90_kernel_builds_as_designed(compiled, variant, cache):
     got = compiled[f"{variant}-{cache}"]
@@ -121,7 +127,12 @@ def test_sm90_kernel_builds_as_designed(compiled, variant, cache):
     assert got["stack"] <= 64, f"register spills: {got}"
     # per warpgroup and tile: (512 + 64) / 16 score products, each BN / 2 columns wide; BN / 16 P V
     # products over half of d_c ("pipe": over each quarter of d_c, one per latent half); nothing else
-    if variant.startswith("pipe"):
+    if variant.startswith("roles"):
+        # warpgroup 0: the whole 64 x 64 score tile (36 products) and P V over the first latent half (4);
+        # warpgroup 1 (the worker partition): P V over the second half (4); 8 warps in all
+        assert got["mma"] == {"64x64x16": 36, "64x256x16": 8}, got["mma"]
+        assert got["warps"] == 8, got
+    elif variant.startswith("pipe"):
         assert got["mma"] == {f"64x{bn // 2}x16": 36, "64x128x16": bn // 8}, got["mma"]
     else:
         assert got["mma"] == {f"64x{bn // 2}x16": 36, "64x256x16": bn // 16}, got["mma"]

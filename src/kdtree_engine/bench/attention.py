@@ -112,13 +112,6 @@ def graph_us(calls: list, rep: int) -> float:
     return 1e3 * do_bench(graph.replay, rep=rep, return_mode="median") / len(calls)
 
 
-def swap_chosen(p: dict, rows: int) -> bool:
-    """Whether backend="auto" runs the "swap" kernel (kernels/mla_attention_swap.py) on problem p."""
-    from kdtree_engine.kernels import mla_attention_swap as swap
-
-    return swap.chosen(None, p["kv"], p["block_table"] is not None, rows, D_C)
-
-
 def time_point(b, t, h, s, args, roof, device) -> dict:
     from kdtree_engine.kernels import mla_attention as kernels
 
@@ -137,11 +130,8 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     row["us"] = graph_us([ours(p) for p in problems], args.rep)
     row.update(tflops=flops / row["us"] / 1e6, gbps=nbytes / row["us"] / 1e3)
     p = problems[0]
-    paged = p["block_table"] is not None
-    row["backend"] = "sm90" if kernels._sm90_ok(p["q"], p["kv"], D_C, t * h, paged=paged) else "triton"
-    if row["backend"] == "sm90" and swap_chosen(p, t * h):
-        row["backend"] = "sm90-swap"
-    if row["backend"].startswith("sm90"):  # the Triton-only kernel, same run: what the sm_90 path adds
+    row["backend"] = "sm90" if kernels._sm90_ok(p["q"], p["kv"], D_C, t * h) else "triton"
+    if row["backend"] == "sm90":  # the Triton-only kernel, same run: what the sm_90 path adds
         row["triton_us"] = graph_us([ours(p, backend="triton") for p in problems], args.rep)
         out, _ = ours(p)()
         tri, _ = ours(p, backend="triton")()
@@ -161,11 +151,7 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     if args.sweep:
         row["variants"] = sweep_variants(problems, ours, row["us"], args.rep)
     elif args.sm90_variants and kernels._sm90_ok(p["q"], p["kv"], D_C, t * h, "sched"):
-        from kdtree_engine.kernels import mla_attention_swap as swap
-
-        names = ["sm90-roles", "sm90-pipe", "sm90-sched", "sm90-wide", "sm90-double", "triton"]
-        if swap.applies(p["kv"], p["block_table"] is not None, t * h, D_C):
-            names.insert(0, "sm90-swap")
+        names = ("sm90-roles", "sm90-pipe", "sm90-sched", "sm90-wide", "sm90-double", "triton")
         row["variants"] = [
             {"config": v, "us": round(graph_us([ours(p, backend=v) for p in problems], args.rep), 2)}
             for v in names
@@ -194,7 +180,7 @@ def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
         found.append({"config": list(cand), "splits": splits, "us": round(us, 2)})
     p = problems[0]
     if kernels._sm90_ok(p["q"], p["kv"], D_C, p["q"].shape[1] * p["q"].shape[2]):
-        variants = ("sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide")
+        variants = ("sm90-roles", "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide")
         for variant, splits in itertools.product(variants, (None, 1, 2, 4, 8, 16)):
             us = graph_us([ours(p, None, splits, variant) for p in problems], max(20, rep // 4))
             found.append({"config": variant, "splits": splits, "us": round(us, 2)})

@@ -333,25 +333,16 @@ def _mask_args(visibility, ancestor_bits, causal, dummy):
 
 
 def _sm90_ok(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    d_v: int,
-    rows: int,
-    variant: str | None = None,
-    paged: bool = False,
+    q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, rows: int, variant: str | None = None
 ) -> bool:
     """The sm_90 kernels need Hopper, their shapes, and 16-byte aligned cache rows and queries; unless a
-    variant is pinned, also more than 16 query rows per request, or a call the "swap" kernel serves
-    under "auto" (mla_attention_swap.chosen; else the Triton kernel's 16-row blocks waste less)."""
+    variant is pinned, also more than 16 query rows per request (fewer: the Triton kernel's 16-row
+    blocks waste less)."""
     from . import mla_attention_sm90 as sm90
 
     aligned = kv_cache.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
     aligned = aligned and kv_cache.stride(0) % 8 == 0 and kv_cache.stride(1) % 8 == 0
-    if not (aligned and sm90.applies(q, d_v)):
-        return False
-    from . import mla_attention_swap as swap
-
-    return variant is not None or rows > 16 or swap.chosen(None, kv_cache, paged, rows, d_v)
+    return aligned and sm90.applies(q, d_v) and (variant is not None or rows > 16)
 
 
 def tree_mla_attention(
@@ -394,7 +385,7 @@ def tree_mla_attention(
     capacity = block_table.shape[1] * kv_cache.shape[1] if paged else kv_cache.shape[1]
     sm90 = backend.startswith("sm90") or (backend == "auto" and config is None)
     variant = backend[5:] if backend.startswith("sm90-") else None
-    sm90 = sm90 and _sm90_ok(q, kv_cache, d_v, rows, variant, paged)
+    sm90 = sm90 and _sm90_ok(q, kv_cache, d_v, rows, variant)
     if backend.startswith("sm90") and not sm90:
         raise ValueError(
             f"backend: {backend!r} needs a compute capability 9.x GPU, bf16/fp16, d = 512 + 64"
@@ -418,25 +409,7 @@ def tree_mla_attention(
     )  # fmt: skip
     if sm90:
         from . import mla_attention_sm90 as fast
-        from . import mla_attention_swap as swap
 
-        if variant == "swap" and not swap.applies(kv_cache, paged, rows, d_v):
-            raise ValueError(
-                f"backend: 'sm90-swap' needs t*h <= {swap.MAX_ROWS} (got {rows}) and a contiguous cache "
-                "or pages of a multiple of 64 rows"
-            )
-        if swap.chosen(variant, kv_cache, paged, rows, d_v):
-            tiles = triton.cdiv(max_seqlen or capacity, swap.BN)
-            programs, per, n_slots = fast.schedule(b, 1, tiles, slots, num_splits)
-            part, plse = out, lse  # not written when no request is cut
-            if n_slots:
-                part = torch.empty(b, n_slots, rows, d_v, dtype=torch.float32, device=q.device)
-                plse = torch.empty(b, n_slots, rows, dtype=torch.float32, device=q.device)
-            swap.launch(q, kv_cache, cache_seqlens, bt, vis, mode, svb, svi, out, lse, part, plse, t, h, rows,
-                        qk_scale, paged, page_size, programs, per, tiles)  # fmt: skip
-            if n_slots:
-                _merge(part, plse, out, lse, rows, n_slots, d_v, sched=(tiles, per, 1, swap.MAX_ROWS))
-            return out, lse
         chosen = variant or fast.DEFAULT_VARIANT
         if chosen in ("pipe", "sched", "roles") and not causal:
             from . import mla_attention_roles as roles
@@ -444,7 +417,7 @@ def tree_mla_attention(
             if not fast.pipe_applies(kv_cache, paged):  # no TMA boxes (e.g. pages of 1): "sched"
                 chosen = "sched"
             blocks = triton.cdiv(rows, fast.BLOCK_M)
-            unit = roles.ROWS if chosen == "roles" else fast.tile_rows("sched")
+            unit = fast.tile_rows(chosen)
             tiles = triton.cdiv(max_seqlen or capacity, unit)
             programs, per, n_slots = fast.schedule(b, blocks, tiles, slots, num_splits)
             part, plse = out, lse  # not written when no row block is cut

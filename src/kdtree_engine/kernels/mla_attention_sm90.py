@@ -795,24 +795,28 @@ def applies(q: torch.Tensor, d_v: int) -> bool:
     return (d_v, q.shape[-1] - d_v) in SHAPES and supported_device(q.get_device())
 
 
-# name -> (kernel, cache rows per tile); "pipe" (default): the whole tree attention in one balanced
-# persistent launch (the tree mask inside; causal calls take "wide"), the tile copied by TMA and
-# overlapped with the tensor work (contiguous caches or pages of a multiple of 64 rows; else "sched");
-# "sched": the same schedule, tile copied by cp.async, not overlapped; "double": 64-row tiles, two
-# buffers (the next tile's copy overlaps this one); "wide": 128-row tiles, one buffer, L2 prefetch of
-# the next tile. "double" and "wide" cover the whole prefix tiles only (launch_prefix).
+# name -> (kernel, cache rows per tile); "roles" (default, kernels/mla_attention_roles.py): the whole
+# tree attention in one balanced persistent launch, warpgroup 0 on the scores and softmax, warpgroup 1
+# on half of P V (the tree mask inside; causal calls take "wide"; contiguous caches or pages of a
+# multiple of 64 rows, else "sched"); "pipe": the same schedule with both warpgroups on every step,
+# 128-slot tiles by TMA overlapped with the tensor work; "sched": as "pipe" with cp.async copies, not
+# overlapped; "double": 64-row tiles, two buffers (the next tile's copy overlaps this one); "wide":
+# 128-row tiles, one buffer, L2 prefetch of the next tile. "double" and "wide" cover the whole prefix
+# tiles only (launch_prefix). "roles" lives in its own module (which imports this one's helpers).
 VARIANTS = {
     "sched": (_sched_kernel, 128),
     "pipe": (_pipe_kernel, 128),
     "double": (_prefix_kernel, 64),
     "wide": (_prefix_wide_kernel, 128),
 }
-DEFAULT_VARIANT = "pipe"
+DEFAULT_VARIANT = "roles"
+ROLES_TILE = 64  # cache rows per tile of "roles"
 MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
 
 
 def tile_rows(variant: str | None = None) -> int:
-    return VARIANTS[variant or DEFAULT_VARIANT][1]
+    name = variant or DEFAULT_VARIANT
+    return ROLES_TILE if name == "roles" else VARIANTS[name][1]
 
 
 def schedule(b: int, blocks: int, tiles: int, sms: int, num_splits: int | None = None) -> tuple[int, ...]:
