@@ -365,15 +365,16 @@ def tree_mla_attention(
     [b, max_pages] int; cache_seqlens [b] int (prefix + t); visibility [b, t, t] bool, or ancestor_bits
     [b, t] int64, or causal=True. Returns out [b, t, h, d_v] in q's dtype and lse [b, t, h] float32.
     max_seqlen: a bound on cache_seqlens (else the capacity is used); it steers the split count, and
-    the sm_90 "pipe" / "sched" schedule covers exactly cdiv(max_seqlen, 128) tiles per row block, so it
-    must not be below a real length (the public op passes the exact maximum).
+    the sm_90 "roles" / "pipe" / "sched" schedule covers exactly cdiv(max_seqlen, tile) tiles per row
+    block (tile 64 or 128), so it must not be below a real length (the public op passes the maximum).
     backend: "triton" (this module's kernel for everything), "sm90" (the Gluon kernels of
-    mla_attention_sm90; Hopper, bf16/fp16, d = 512 + 64, t*h > 16 only: by default the "pipe" kernel,
-    the whole tree attention in one balanced launch with TMA copies overlapped with the tensor work
-    ("sched" where the cache is not contiguous or its pages are not a multiple of 64 rows), or for
-    causal calls the "wide" prefix kernel for the whole prefix tiles and this module's kernel for the
-    rest; "sm90-pipe" / "sm90-sched" / "sm90-double" / "sm90-wide" pick the variant) or "auto" (sm90
-    where it applies and no config is forced)."""
+    mla_attention_roles and mla_attention_sm90; Hopper, bf16/fp16, d = 512 + 64, t*h > 16 only: by
+    default the "roles" kernel, the whole tree attention in one balanced launch, one warpgroup on the
+    scores and softmax and one on half of P V ("sched" where the cache is not contiguous or its pages
+    are not a multiple of 64 rows), or for causal calls the "wide" prefix kernel for the whole prefix
+    tiles and this module's kernel for the rest; "sm90-roles" / "sm90-pipe" / "sm90-sched" /
+    "sm90-double" / "sm90-wide" pick the variant) or "auto" (sm90 where it applies and no config is
+    forced)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     b, t, h, d = q.shape
