@@ -59,6 +59,8 @@ builds = [(v, v, paged, 0) for v in ("double", "wide") for paged in (False, True
 builds += [("sched", "sched", False, 0), ("sched", "sched", True, 0), ("sched-bits", "sched", False, 1)]
 builds += [("pipe", "pipe", False, 0), ("pipe", "pipe", True, 0), ("pipe-bits", "pipe", False, 1)]
 builds += [("roles", "roles", False, 0), ("roles", "roles", True, 0), ("roles-bits", "roles", False, 1)]
+builds += [("roles-ones", "roles", False, 1)]  # with the JIT's constexpr specialization of ints equal to 1
+ONES = ("T", "MB", "page_size", "stride_btb")  # t = 1, one row block, a contiguous cache
 found = {}
 for name, variant, paged, mode in builds:
     fn, bn = (roles._roles_kernel, roles.ROWS) if variant == "roles" else k.VARIANTS[variant]
@@ -73,6 +75,11 @@ for name, variant, paged, mode in builds:
         cst["MASK_MODE"] = mode
     if variant == "roles":  # one warpgroup; the other is its warp_specialize worker partition
         cst = {key: val for key, val in cst.items() if key not in ("BM", "BN")} | {"num_warps": 4}
+    if name == "roles-ones":  # arguments the partitions get must survive being constexpr
+        sig.update({n: "constexpr" for n in ONES})
+        cst.update({n: 1 for n in ONES})
+        names = list(sig)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cst["num_warps"]})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -115,7 +122,8 @@ def compiled() -> dict:
     "variant, cache",
     [(v, c) for v in ("sched", "double", "wide") for c in ("contiguous", "paged")]
     + [("sched-bits", "contiguous"), ("pipe", "contiguous"), ("pipe", "paged"), ("pipe-bits", "contiguous")]
-    + [("roles", "contiguous"), ("roles", "paged"), ("roles-bits", "contiguous")],
+    + [("roles", "contiguous"), ("roles", "paged"), ("roles-bits", "contiguous")]
+    + [("roles-ones", "contiguous")],
 )
 def test_sm90_kernel_builds_as_designed(compiled, variant, cache):
     got = compiled[f"{variant}-{cache}"]
