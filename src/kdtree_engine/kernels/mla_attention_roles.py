@@ -67,35 +67,116 @@ class Consts:
         self.MASK_MODE = gl.constexpr(MASK_MODE)
 
 
+@aggregate
+class Job:
+    """The launch's pointers, sizes and strides as both partitions get them (_roles_kernel's arguments,
+    plus this program's units u0 .. u1 - 1 and its index c)."""
+
+    q_ptr: gl.tensor
+    desc: tma.tensor_descriptor
+    seqlens_ptr: gl.tensor
+    bt_ptr: gl.tensor
+    vis_ptr: gl.tensor
+    out_ptr: gl.tensor
+    lse_ptr: gl.tensor
+    part_ptr: gl.tensor
+    plse_ptr: gl.tensor
+    T: gl.tensor
+    H: gl.tensor
+    M: gl.tensor
+    MB: gl.tensor
+    NT: gl.tensor
+    PER: gl.tensor
+    u0: gl.tensor
+    u1: gl.tensor
+    c: gl.tensor
+    qk_scale: gl.tensor
+    cap: gl.tensor
+    page_size: gl.tensor
+    stride_qb: gl.tensor
+    stride_btb: gl.tensor
+    stride_vb: gl.tensor
+    stride_vi: gl.tensor
+    stride_pb: gl.tensor
+    stride_ps: gl.tensor
+    stride_lb: gl.tensor
+    stride_ls: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr, T, H,
+                 M, MB, NT, PER, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb, stride_vb,
+                 stride_vi, stride_pb, stride_ps, stride_lb, stride_ls):  # fmt: skip
+        for name, value in list(locals().items()):
+            if name != "self":
+                setattr(self, name, value)
+
+
+@aggregate
+class Smem:
+    """The shared-memory buffers and mbarriers both partitions use."""
+
+    qc_smem: gl.shared_memory_descriptor  # Q's latent part [64, D_C]
+    qr_smem: gl.shared_memory_descriptor  # Q's rope part [64, D_R]
+    kc_smem: gl.shared_memory_descriptor  # the tile's latent part, two buffers [2, 64, D_C]
+    kr_smem: gl.shared_memory_descriptor  # the tile's rope part, two buffers [2, 64, D_R]
+    p_smem: gl.shared_memory_descriptor  # P [64, 64] from warpgroup 0
+    a_smem: gl.shared_memory_descriptor  # the rescale factors [64] of that P
+    l_smem: gl.shared_memory_descriptor  # a finished row block's row sums [64]
+    full_r: gl.shared_memory_descriptor  # TMA landed: rope group, per buffer
+    full_0: gl.shared_memory_descriptor  # first latent half
+    full_1: gl.shared_memory_descriptor  # second latent half
+    p_full: gl.shared_memory_descriptor  # P and alpha written (warpgroup 0 -> 1)
+    p_empty: gl.shared_memory_descriptor  # P and alpha read (warpgroup 1 -> 0)
+    l_full: gl.shared_memory_descriptor  # row sums written
+    l_empty: gl.shared_memory_descriptor  # row sums read
+
+    @gluon.constexpr_function
+    def __init__(self, qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem, full_r, full_0, full_1,
+                 p_full, p_empty, l_full, l_empty):  # fmt: skip
+        for name, value in list(locals().items()):
+            if name != "self":
+                setattr(self, name, value)
+
+
 @gluon.jit
-def _issue_group(desc, bars, bufs, g, i, n, v_lo, b, seqlen, bt_ptr, stride_btb, cap, page_size,
-                 CH0: gl.constexpr, NCH: gl.constexpr, D_C: gl.constexpr, PAGED: gl.constexpr):  # fmt: skip
+def _block(job, rb):
+    """Row block rb of this program (mla_attention_sm90._row_block with 64-slot tiles)."""
+    return _row_block(rb, job.u0, job.u1, job.MB, job.NT, job.seqlens_ptr, job.T, BN)
+
+
+@gluon.jit
+def _split_ptrs(job, b, rb):
+    """This program's float32 partial slot of row block rb (mla_attention_sm90._slot_ptrs)."""
+    return _slot_ptrs(job.part_ptr, job.plse_ptr, b, job.c, rb, job.NT, job.PER, job.stride_pb, job.stride_ps,
+                      job.stride_lb, job.stride_ls)  # fmt: skip
+
+
+@gluon.jit
+def _issue_group(job, bars, bufs, g, i, n, v_lo, b, seqlen, CH0: gl.constexpr, NCH: gl.constexpr,
+                 D_C: gl.constexpr, PAGED: gl.constexpr):  # fmt: skip
     """TMA of one group of the row block's local tile i (program tile g), if the block has that tile
     (i < n): cache columns CH0 * 64 .. (CH0 + NCH) * 64 of the tile's 64 rows into the same columns of
     buffer g % 2 of bufs (the rope buffers take CH0 = D_C / 64 into their columns 0 ..); bar g % 2
     completes when the group has landed."""
-    row = _pipe_row(b, (v_lo + i) * BN, seqlen, bt_ptr, stride_btb, cap, page_size, PAGED)
+    row = _pipe_row(b, (v_lo + i) * BN, seqlen, job.bt_ptr, job.stride_btb, job.cap, job.page_size, PAGED)
     bar = bars.index(g % 2)
     dst = bufs.index(g % 2)
     pred = i < n
     mbarrier.expect(bar, NCH * 64 * 64 * 2, pred=pred)
     for k in gl.static_range(NCH):
         chunk = dst.slice((CH0 + k) * 64 % D_C, 64, dim=1)
-        tma.async_copy_global_to_shared(desc, [row, (CH0 + k) * 64], bar, chunk, pred=pred)
+        tma.async_copy_global_to_shared(job.desc, [row, (CH0 + k) * 64], bar, chunk, pred=pred)
 
 
 @gluon.jit
-def _wg0(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr, T, H, M, MB, NT,
-         PER, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb, stride_vb, stride_vi, stride_pb,
-         stride_ps, stride_lb, stride_ls, qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem,
-         full_r, full_0, full_1, p_full, p_empty, l_full, l_empty, cst):  # fmt: skip
+def _wg0(job, sm, cst):
     """Warpgroup 0: Q, scores, softmax, P for warpgroup 1, and O's first latent half."""
     D_C: gl.constexpr = cst.D_C
     D_R: gl.constexpr = cst.D_R
     PAGED: gl.constexpr = cst.PAGED
     MASK_MODE: gl.constexpr = cst.MASK_MODE
     HALF: gl.constexpr = D_C // 2
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    dtype: gl.constexpr = job.q_ptr.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BN, 16])  # fmt: skip
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -105,27 +186,25 @@ def _wg0(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, 
     cols = gl.arange(0, BN, gl.SliceLayout(0, s_layout))
 
     g = 0  # tiles this program has started (program-wide: buffer g % 2, phase (g // 2) % 2)
-    rb_first = u0 // NT
-    rb_last = (u1 - 1) // NT
+    rb_first = job.u0 // job.NT
+    rb_last = (job.u1 - 1) // job.NT
     count = rb_last - rb_first + 1
     for j in range(count):  # row blocks last first, as in "pipe"
         rb = rb_last - j
-        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _row_block(rb, u0, u1, MB, NT, seqlens_ptr, T, BN)
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb)
         n = gl.maximum(v_end - v_lo, 0)
         for i in gl.static_range(2):  # the first two tiles' groups of this partition
-            _issue_group(desc, full_r, kr_smem, g + i, i, n, v_lo, b, seqlen, bt_ptr, stride_btb, cap,
-                         page_size, D_C // 64, 1, D_C, PAGED)  # fmt: skip
-            _issue_group(desc, full_0, kc_smem, g + i, i, n, v_lo, b, seqlen, bt_ptr, stride_btb, cap,
-                         page_size, 0, HALF // 64, D_C, PAGED)  # fmt: skip
+            _issue_group(job, sm.full_r, sm.kr_smem, g + i, i, n, v_lo, b, seqlen, D_C // 64, 1, D_C, PAGED)
+            _issue_group(job, sm.full_0, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, 0, HALF // 64, D_C, PAGED)
         # Q of this row block (rows past M are zeros), 64 columns at a time
         rows_q = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, ld))
         cols_q = gl.arange(0, 64, gl.SliceLayout(0, ld))
-        q_rows = q_ptr + b.to(gl.int64) * stride_qb + rows_q.to(gl.int64)[:, None] * (D_C + D_R)
+        q_rows = job.q_ptr + b.to(gl.int64) * job.stride_qb + rows_q.to(gl.int64)[:, None] * (D_C + D_R)
         q_base = q_rows + cols_q[None, :]
-        q_ok = (rows_q < M)[:, None] & (cols_q >= 0)[None, :]
-        qr_smem.store(gl.load(q_base + D_C, mask=q_ok, other=0.0))
+        q_ok = (rows_q < job.M)[:, None] & (cols_q >= 0)[None, :]
+        sm.qr_smem.store(gl.load(q_base + D_C, mask=q_ok, other=0.0))
         for k in gl.static_range(D_C // 64):
-            qc_smem.slice(k * 64, 64, dim=1).store(gl.load(q_base + k * 64, mask=q_ok, other=0.0))
+            sm.qc_smem.slice(k * 64, 64, dim=1).store(gl.load(q_base + k * 64, mask=q_ok, other=0.0))
         fence_async_shared()
         gl.thread_barrier()
 
@@ -138,70 +217,68 @@ def _wg0(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, 
             buf = g % 2
             phase = (g // 2) & 1
             if v * BN + BN > seqlen:  # the request's last tile: zero the rows past its end
-                mbarrier.wait(full_r.index(buf), phase)
-                mbarrier.wait(full_0.index(buf), phase)
-                mbarrier.wait(full_1.index(buf), phase)
-                _zero_rows(kr_smem.index(buf), v * BN, seqlen, ld)
-                _zero_rows(kc_smem.index(buf), v * BN, seqlen, ld)
+                mbarrier.wait(sm.full_r.index(buf), phase)
+                mbarrier.wait(sm.full_0.index(buf), phase)
+                mbarrier.wait(sm.full_1.index(buf), phase)
+                _zero_rows(sm.kr_smem.index(buf), v * BN, seqlen, ld)
+                _zero_rows(sm.kc_smem.index(buf), v * BN, seqlen, ld)
                 fence_async_shared()
                 gl.thread_barrier()
-            kc_lo = kc_smem.index(buf).slice(0, HALF, dim=1)
-            kc_hi = kc_smem.index(buf).slice(HALF, HALF, dim=1)
-            mbarrier.wait(full_r.index(buf), phase)
-            kr = kr_smem.index(buf)
-            s = warpgroup_mma(qr_smem, kr.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(full_0.index(buf), phase)
-            s = warpgroup_mma(qc_smem.slice(0, HALF, dim=1), kc_lo.permute((1, 0)), s, is_async=True)
-            mbarrier.wait(full_1.index(buf), phase)
-            s = warpgroup_mma(qc_smem.slice(HALF, HALF, dim=1), kc_hi.permute((1, 0)), s, is_async=True)
+            kc_lo = sm.kc_smem.index(buf).slice(0, HALF, dim=1)
+            kc_hi = sm.kc_smem.index(buf).slice(HALF, HALF, dim=1)
+            mbarrier.wait(sm.full_r.index(buf), phase)
+            kr = sm.kr_smem.index(buf)
+            s = warpgroup_mma(sm.qr_smem, kr.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(sm.full_0.index(buf), phase)
+            s = warpgroup_mma(sm.qc_smem.slice(0, HALF, dim=1), kc_lo.permute((1, 0)), s, is_async=True)
+            mbarrier.wait(sm.full_1.index(buf), phase)
+            s = warpgroup_mma(sm.qc_smem.slice(HALF, HALF, dim=1), kc_hi.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             gl.thread_barrier()  # every warp is past this tile's scores: its rope buffer is free
-            _issue_group(desc, full_r, kr_smem, g + 2, i + 2, n, v_lo, b, seqlen, bt_ptr, stride_btb, cap,
-                         page_size, D_C // 64, 1, D_C, PAGED)  # fmt: skip
+            _issue_group(
+                job, sm.full_r, sm.kr_smem, g + 2, i + 2, n, v_lo, b, seqlen, D_C // 64, 1, D_C, PAGED
+            )
             if v >= n_free:
-                s = _tree_mask(s, vis_ptr, b, rows, v * BN + cols, prefix, seqlen, M, H, stride_vb, stride_vi,
-                               MASK_MODE)  # fmt: skip
-            s = s * qk_scale
+                s = _tree_mask(s, job.vis_ptr, b, rows, v * BN + cols, prefix, seqlen, job.M, job.H,
+                               job.stride_vb, job.stride_vi, MASK_MODE)  # fmt: skip
+            s = s * job.qk_scale
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
             alpha = gl.exp2(m_i - m_safe)
             p = gl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
-            mbarrier.wait(p_empty, (g - 1) & 1, pred=g > 0)  # warpgroup 1 is done with the previous P
-            p_smem.store(p.to(dtype))
-            a_smem.store(alpha)
+            mbarrier.wait(sm.p_empty, (g - 1) & 1, pred=g > 0)  # warpgroup 1 is done with the previous P
+            sm.p_smem.store(p.to(dtype))
+            sm.a_smem.store(alpha)
             fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(p_full)
+            mbarrier.arrive(sm.p_full)
             alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
-            acc = warpgroup_mma(p_smem, kc_lo, acc * alpha_o[:, None], is_async=True)
+            acc = warpgroup_mma(sm.p_smem, kc_lo, acc * alpha_o[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()  # every warp is done with this tile's first half
-            _issue_group(desc, full_0, kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, bt_ptr, stride_btb, cap,
-                         page_size, 0, HALF // 64, D_C, PAGED)  # fmt: skip
+            _issue_group(
+                job, sm.full_0, sm.kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, 0, HALF // 64, D_C, PAGED
+            )
             g += 1
         # the row sums for warpgroup 1's half of O
-        mbarrier.wait(l_empty, (j - 1) & 1, pred=j > 0)
-        l_smem.store(l_i)
+        mbarrier.wait(sm.l_empty, (j - 1) & 1, pred=j > 0)
+        sm.l_smem.store(l_i)
         gl.thread_barrier()
-        mbarrier.arrive(l_full)
-        if (v_lo == 0) & (v_hi == NT):  # the whole row block: final output
-            final, final_lse = _final_ptrs(out_ptr, lse_ptr, b, M, D_C)
-            _store_cols(acc, l_i, final, blk, M, 0, D_C, BM, o_layout)
-            _store_lse(m_i, l_i, final_lse, blk, M, BM, s_layout)
+        mbarrier.arrive(sm.l_full)
+        if (v_lo == 0) & (v_hi == job.NT):  # the whole row block: final output
+            final, final_lse = _final_ptrs(job.out_ptr, job.lse_ptr, b, job.M, D_C)
+            _store_cols(acc, l_i, final, blk, job.M, 0, D_C, BM, o_layout)
+            _store_lse(m_i, l_i, final_lse, blk, job.M, BM, s_layout)
         else:
-            split, split_lse = _slot_ptrs(part_ptr, plse_ptr, b, c, rb, NT, PER, stride_pb, stride_ps,
-                                          stride_lb, stride_ls)  # fmt: skip
-            _store_cols(acc, l_i, split, blk, M, 0, D_C, BM, o_layout)
-            _store_lse(m_i, l_i, split_lse, blk, M, BM, s_layout)
+            split, split_lse = _split_ptrs(job, b, rb)
+            _store_cols(acc, l_i, split, blk, job.M, 0, D_C, BM, o_layout)
+            _store_lse(m_i, l_i, split_lse, blk, job.M, BM, s_layout)
 
 
 @gluon.jit
-def _wg1(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr, T, H, M, MB, NT,
-         PER, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb, stride_vb, stride_vi, stride_pb,
-         stride_ps, stride_lb, stride_ls, qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem,
-         full_r, full_0, full_1, p_full, p_empty, l_full, l_empty, cst):  # fmt: skip
+def _wg1(job, sm, cst):
     """Warpgroup 1: O's second latent half from warpgroup 0's P, and its copies of that half."""
     D_C: gl.constexpr = cst.D_C
     PAGED: gl.constexpr = cst.PAGED
@@ -210,41 +287,54 @@ def _wg1(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, 
                                                        instr_shape=[16, HALF, 16])  # fmt: skip
 
     g = 0
-    rb_first = u0 // NT
-    rb_last = (u1 - 1) // NT
+    rb_first = job.u0 // job.NT
+    rb_last = (job.u1 - 1) // job.NT
     count = rb_last - rb_first + 1
     for j in range(count):
         rb = rb_last - j
-        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _row_block(rb, u0, u1, MB, NT, seqlens_ptr, T, BN)
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb)
         n = gl.maximum(v_end - v_lo, 0)
         for i in gl.static_range(2):
-            _issue_group(desc, full_1, kc_smem, g + i, i, n, v_lo, b, seqlen, bt_ptr, stride_btb, cap,
-                         page_size, HALF // 64, HALF // 64, D_C, PAGED)  # fmt: skip
+            _issue_group(
+                job, sm.full_1, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, HALF // 64, HALF // 64, D_C, PAGED
+            )
         acc = gl.zeros([BM, HALF], gl.float32, o_layout)
         for i in range(n):
             buf = g % 2
-            mbarrier.wait(p_full, g & 1)
-            mbarrier.wait(full_1.index(buf), (g // 2) & 1)
-            alpha = a_smem.load(gl.SliceLayout(1, o_layout))
-            kc_hi = kc_smem.index(buf).slice(HALF, HALF, dim=1)
-            acc = warpgroup_mma(p_smem, kc_hi, acc * alpha[:, None], is_async=True)
+            mbarrier.wait(sm.p_full, g & 1)
+            mbarrier.wait(sm.full_1.index(buf), (g // 2) & 1)
+            alpha = sm.a_smem.load(gl.SliceLayout(1, o_layout))
+            kc_hi = sm.kc_smem.index(buf).slice(HALF, HALF, dim=1)
+            acc = warpgroup_mma(sm.p_smem, kc_hi, acc * alpha[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()  # every warp is done with P, alpha and this tile's second half
-            mbarrier.arrive(p_empty)
-            _issue_group(desc, full_1, kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, bt_ptr, stride_btb, cap,
-                         page_size, HALF // 64, HALF // 64, D_C, PAGED)  # fmt: skip
+            mbarrier.arrive(sm.p_empty)
+            _issue_group(
+                job,
+                sm.full_1,
+                sm.kc_smem,
+                g + 2,
+                i + 2,
+                n,
+                v_lo,
+                b,
+                seqlen,
+                HALF // 64,
+                HALF // 64,
+                D_C,
+                PAGED,
+            )
             g += 1
-        mbarrier.wait(l_full, j & 1)
-        l_i = l_smem.load(gl.SliceLayout(1, o_layout))
+        mbarrier.wait(sm.l_full, j & 1)
+        l_i = sm.l_smem.load(gl.SliceLayout(1, o_layout))
         gl.thread_barrier()
-        mbarrier.arrive(l_empty)
-        if (v_lo == 0) & (v_hi == NT):
-            final, final_lse = _final_ptrs(out_ptr, lse_ptr, b, M, D_C)
-            _store_cols(acc, l_i, final, blk, M, HALF, D_C, BM, o_layout)
+        mbarrier.arrive(sm.l_empty)
+        if (v_lo == 0) & (v_hi == job.NT):
+            final, final_lse = _final_ptrs(job.out_ptr, job.lse_ptr, b, job.M, D_C)
+            _store_cols(acc, l_i, final, blk, job.M, HALF, D_C, BM, o_layout)
         else:
-            split, split_lse = _slot_ptrs(part_ptr, plse_ptr, b, c, rb, NT, PER, stride_pb, stride_ps,
-                                          stride_lb, stride_ls)  # fmt: skip
-            _store_cols(acc, l_i, split, blk, M, HALF, D_C, BM, o_layout)
+            split, split_lse = _split_ptrs(job, b, rb)
+            _store_cols(acc, l_i, split, blk, job.M, HALF, D_C, BM, o_layout)
 
 
 @gluon.jit
@@ -307,11 +397,16 @@ def _roles_kernel(
         mbarrier.init(full_1.index(k), count=1)
     for k in gl.static_range(4):
         mbarrier.init(sync.index(k), count=1)
-    args = (q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr, T, H, M, MB, NT,
-            PER, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb, stride_vb, stride_vi, stride_pb,
-            stride_ps, stride_lb, stride_ls, qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem,
-            full_r, full_0, full_1, sync.index(0), sync.index(1), sync.index(2), sync.index(3),
-            Consts(D_C, D_R, PAGED, MASK_MODE))  # fmt: skip
+    # (scalars as tensors: the JIT passes an int argument equal to 1 as a constexpr)
+    job = Job(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr,
+              gl.to_tensor(T), gl.to_tensor(H), gl.to_tensor(M), gl.to_tensor(MB), gl.to_tensor(NT),
+              gl.to_tensor(PER), u0, u1, c, gl.to_tensor(qk_scale), gl.to_tensor(cap),
+              gl.to_tensor(page_size), gl.to_tensor(stride_qb), gl.to_tensor(stride_btb),
+              gl.to_tensor(stride_vb), gl.to_tensor(stride_vi), gl.to_tensor(stride_pb),
+              gl.to_tensor(stride_ps), gl.to_tensor(stride_lb), gl.to_tensor(stride_ls))  # fmt: skip
+    sm = Smem(qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem, full_r, full_0, full_1,
+              sync.index(0), sync.index(1), sync.index(2), sync.index(3))  # fmt: skip
+    args = (job, sm, Consts(D_C, D_R, PAGED, MASK_MODE))
     gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WORKER_REGS])
 
 
