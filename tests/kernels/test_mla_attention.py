@@ -330,7 +330,7 @@ def test_public_backend_choice(device, monkeypatch):
     assert pinned == set(sm90.VARIANTS) | {"roles"}
     from kdtree_engine.kernels import mla_attention_roles as roles
 
-    assert sm90.tile_rows("roles") == roles.ROWS  # the dispatcher's schedule unit is the kernel's tile
+    assert sm90.tile_rows("roles") == roles.BN.value  # the dispatcher's schedule unit is the kernel's tile
     gen = torch.Generator().manual_seed(1)
     q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
     q, kv, lengths, vis = (x.to(device) for x in (q, kv, lengths, vis))

@@ -63,7 +63,7 @@ builds += [("roles-ones", "roles", False, 1)]  # with the JIT's constexpr specia
 ONES = ("T", "MB", "page_size", "stride_btb")  # t = 1, one row block, a contiguous cache
 found = {}
 for name, variant, paged, mode in builds:
-    fn, bn = (roles._roles_kernel, roles.ROWS) if variant == "roles" else k.VARIANTS[variant]
+    fn, bn = (roles._roles_kernel, k.tile_rows("roles")) if variant == "roles" else k.VARIANTS[variant]
     sig = dict({"sched": sched_sig, "pipe": pipe_sig, "roles": roles_sig}.get(variant, prefix_sig))
     if mode == 1:
         sig["vis_ptr"] = "*i64"
@@ -78,8 +78,6 @@ for name, variant, paged, mode in builds:
     if name == "roles-ones":  # arguments the partitions get must survive being constexpr
         sig.update({n: "constexpr" for n in ONES})
         cst.update({n: 1 for n in ONES})
-        names = list(sig)
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": cst["num_warps"]})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -33,6 +33,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from .mla_attention_sm90 import (
+    BLOCK_M,
+    ROLES_TILE,
     _final_ptrs,
     _pipe_row,
     _row_block,
@@ -43,9 +45,8 @@ from .mla_attention_sm90 import (
     _zero_rows,
 )
 
-ROWS = 64  # query rows per row block, and cache slots per tile
-BM = gl.constexpr(ROWS)
-BN = gl.constexpr(ROWS)
+BM = gl.constexpr(BLOCK_M)  # query rows per row block (the dispatcher's blocks and merge use BLOCK_M)
+BN = gl.constexpr(ROLES_TILE)  # cache slots per tile (the dispatcher's schedule unit, tile_rows("roles"))
 WORKER_REGS = gl.constexpr(192)  # warpgroup 1's registers per thread (O half: 128); warpgroup 0 gets the rest
 
 
@@ -416,7 +417,7 @@ def launch(q, kv_cache, cache_seqlens, bt, vis, mask_mode, stride_vb, stride_vi,
     with 64-row blocks and 64-slot tiles (same cache conditions as "pipe": pipe_applies)."""
     b, d = q.shape[0], q.shape[-1]
     d_c = out.shape[-1]
-    blocks = -(-rows // ROWS)
+    blocks = -(-rows // BLOCK_M)
     flat = kv_cache.view(-1, d)
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     box = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
