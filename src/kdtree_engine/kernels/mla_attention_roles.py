@@ -19,7 +19,6 @@ the rope columns (after the scores) and the first half (after its P V), warpgrou
 schedule: balanced (row block, tile) units, final rows or float32 partials merged afterwards).
 """
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -29,7 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from .mla_attention_sm90 import (
@@ -43,6 +41,7 @@ from .mla_attention_sm90 import (
     _store_lse,
     _tree_mask,
     _zero_rows,
+    cache_desc,
 )
 
 BM = gl.constexpr(BLOCK_M)  # query rows per row block (the dispatcher's blocks and merge use BLOCK_M)
@@ -418,12 +417,8 @@ def launch(q, kv_cache, cache_seqlens, bt, vis, mask_mode, stride_vb, stride_vi,
     b, d = q.shape[0], q.shape[-1]
     d_c = out.shape[-1]
     blocks = -(-rows // BLOCK_M)
-    flat = kv_cache.view(-1, d)
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    box = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
-    desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [64, 64], box)
     _roles_kernel[(programs,)](
-        q, desc, cache_seqlens, bt, vis, out, lse, part, plse,
+        q, cache_desc(kv_cache), cache_seqlens, bt, vis, out, lse, part, plse,
         t, h, rows, blocks, tiles, per, b * blocks * tiles, qk_scale, kv_cache.shape[1], page_size,
         q.stride(0), bt.stride(0), stride_vb, stride_vi,
         part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),

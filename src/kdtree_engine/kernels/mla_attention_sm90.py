@@ -859,19 +859,24 @@ def pipe_applies(kv_cache: torch.Tensor, paged: bool) -> bool:
     return kv_cache.is_contiguous() and (not paged or kv_cache.shape[1] % 64 == 0)
 
 
+def cache_desc(kv_cache: torch.Tensor) -> TensorDescriptor:
+    """TMA descriptor of the cache (bf16 or fp16) viewed as one [rows, d] matrix, in 64 x 64 boxes
+    ("pipe" and "roles"; pipe_applies says when the view is valid)."""
+    d = kv_cache.shape[-1]
+    flat = kv_cache.view(-1, d)
+    dtype = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
+    box = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    return TensorDescriptor(flat, list(flat.shape), [d, 1], [64, 64], box)
+
+
 def launch_pipe(q, kv_cache, cache_seqlens, bt, vis, mask_mode, stride_vb, stride_vi, out, lse, part, plse,
                 t, h, rows, qk_scale, paged, page_size, programs, per, tiles):  # fmt: skip
     """Runs the "pipe" kernel (the "sched" schedule and outputs; see pipe_applies)."""
     b, d = q.shape[0], q.shape[-1]
     d_c = out.shape[-1]
     blocks = -(-rows // BLOCK_M)
-    flat = kv_cache.view(-1, d)
-    layout = gl.NVMMASharedLayout.get_default_for(
-        [64, 64], gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    )
-    desc = TensorDescriptor(flat, list(flat.shape), [d, 1], [64, 64], layout)
     _pipe_kernel[(programs,)](
-        q, desc, cache_seqlens, bt, vis, out, lse, part, plse,
+        q, cache_desc(kv_cache), cache_seqlens, bt, vis, out, lse, part, plse,
         t, h, rows, blocks, tiles, per, b * blocks * tiles, qk_scale, kv_cache.shape[1], page_size,
         q.stride(0), bt.stride(0), stride_vb, stride_vi,
         part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
