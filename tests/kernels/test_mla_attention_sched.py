@@ -68,6 +68,8 @@ def emulate(q, kv, lengths, vis, scale, d_c, blocks, tiles, per, programs, n_slo
         (2, 9, 8, [30, 60], 2, 0),  # each block in 2 runs
         (1, 33, 4, [100], 5, 0),  # runs spanning block edges (per does not divide tiles)
         (4, 2, 64, [5, 9, 0, 33], None, 1),  # one program: whole blocks, no merge
+        (2, 9, 8, [150, 23], None, 13),  # aligned: both row blocks of a request cut at the same tiles
+        (5, 5, 16, [61, 200, 0, 7, 120], None, 11),  # aligned, one run per row block: whole blocks, no merge
     ],
 )
 def test_schedule_and_scheduled_merge(b, t, h, prefixes, splits, sms):
@@ -76,9 +78,9 @@ def test_schedule_and_scheduled_merge(b, t, h, prefixes, splits, sms):
     kv = kv.nan_to_num(0.0)  # slots past the lengths are never part of a run here
     d_c, scale = 24, 0.3
     rows = t * h
-    blocks, tiles = -(-rows // sm90.BLOCK_M), -(-int(lengths.max()) // BN)
-    programs, per, n_slots = sm90.schedule(b, blocks, tiles, sms, splits)
-    assert (programs - 1) * per < b * blocks * tiles <= programs * per
+    blocks, need = -(-rows // sm90.BLOCK_M), -(-int(lengths.max()) // BN)
+    programs, per, n_slots, tiles = sm90.schedule(b, blocks, need, sms, splits)
+    assert tiles >= need and (programs - 1) * per < b * blocks * tiles <= programs * per
     if per % tiles == 0:
         assert n_slots == 0
     out, lse, part, plse = emulate(q, kv, lengths, vis, scale, d_c, blocks, tiles, per, programs, n_slots)
@@ -93,11 +95,37 @@ def test_schedule_and_scheduled_merge(b, t, h, prefixes, splits, sms):
 
 def test_schedule_is_balanced():
     # Kimi verify at b = 16, t = 9, h = 64, s = 4k on 132 multiprocessors: 144 row blocks of 33 tiles
-    programs, per, n_slots = sm90.schedule(16, 9, 33, 132)
-    assert programs <= 132 and per == -(-16 * 9 * 33 // 132) and n_slots == 2
+    programs, per, n_slots, tiles = sm90.schedule(16, 9, 33, 132)
+    assert programs <= 132 and per == -(-16 * 9 * 33 // 132) and n_slots == 2 and tiles == 33
     # many row blocks per program: whole blocks, no partials
-    programs, per, n_slots = sm90.schedule(64, 33, 2, 132)
-    assert per % 2 == 0 and n_slots == 0 and programs <= 132
+    programs, per, n_slots, tiles = sm90.schedule(64, 33, 2, 132)
+    assert per % 2 == 0 and n_slots == 0 and programs <= 132 and tiles == 2
+
+
+@pytest.mark.parametrize(
+    "b,blocks,tiles,want",
+    [
+        (16, 2, 513, (128, 129, 4, 516)),  # h = 8, t = 9, s = 32k: 4 runs per row block (balanced: 125)
+        (16, 2, 65, (128, 17, 4, 68)),  # s = 4k (balanced: 16 tiles per program)
+        (64, 2, 513, (128, 513, 0, 513)),  # one run: whole row blocks, no merge (balanced: cut at 498)
+        (1, 9, 513, (126, 37, 14, 518)),  # h = 64, t = 9, b = 1 (balanced: 35)
+    ],
+)
+def test_schedule_aligns_the_row_blocks_of_a_request(b, blocks, tiles, want):
+    programs, per, n_slots, padded = sm90.schedule(b, blocks, tiles, 132)
+    assert (programs, per, n_slots, padded) == want
+    # runs start at the same tile in every row block: program c covers tiles (c % runs) * per onwards
+    assert padded % per == 0 and programs == b * blocks * (padded // per)
+
+
+@pytest.mark.parametrize("b,blocks,tiles", [(16, 2, 513), (16, 3, 200), (16, 9, 33), (40, 2, 100)])
+def test_schedule_aligns_only_within_its_slack(b, blocks, tiles, monkeypatch):
+    balanced_per = max(-(-b * blocks * tiles // 132), min(tiles, sm90.MIN_TILES))
+    programs, per, n_slots, padded = sm90.schedule(b, blocks, tiles, 132)
+    assert programs <= 132 and per <= balanced_per * (1 + sm90.ALIGN_SLACK)
+    monkeypatch.setattr(sm90, "ALIGN_SLACK", -1.0)  # never aligned: the plain balanced cut
+    programs, per, n_slots, padded = sm90.schedule(b, blocks, tiles, 132)
+    assert padded == tiles and per == balanced_per
 
 
 def test_pipe_serves_the_caches_its_tma_boxes_fit():

@@ -420,7 +420,7 @@ def tree_mla_attention(
             blocks = triton.cdiv(rows, fast.BLOCK_M)
             unit = fast.tile_rows(chosen)
             tiles = triton.cdiv(max_seqlen or capacity, unit)
-            programs, per, n_slots = fast.schedule(b, blocks, tiles, slots, num_splits)
+            programs, per, n_slots, tiles = fast.schedule(b, blocks, tiles, slots, num_splits)
             part, plse = out, lse  # not written when no row block is cut
             if n_slots:
                 part = torch.empty(b, n_slots, rows, d_v, dtype=torch.float32, device=q.device)

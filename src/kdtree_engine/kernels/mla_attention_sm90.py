@@ -812,6 +812,7 @@ VARIANTS = {
 DEFAULT_VARIANT = "roles"
 ROLES_TILE = 64  # cache rows per tile of "roles"
 MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
+ALIGN_SLACK = 0.1  # schedule: the most balance an aligned cut may cost (-1: never align)
 
 
 def tile_rows(variant: str | None = None) -> int:
@@ -821,9 +822,14 @@ def tile_rows(variant: str | None = None) -> int:
 
 def schedule(b: int, blocks: int, tiles: int, sms: int, num_splits: int | None = None) -> tuple[int, ...]:
     """The "sched" launch: (programs, tiles per program, partial slots per row block; 0 when no row
-    block is cut, so no merge). b * blocks row blocks of `tiles` tiles each are dealt out evenly over
-    `sms` programs (one per multiprocessor: a program uses nearly all its shared memory); when each
-    program gets 4 row blocks or more, it gets whole ones (imbalance <= 1/4, no partials).
+    block is cut, so no merge; tiles per row block in the launch, >= tiles). b * blocks row blocks of
+    `tiles` tiles each are dealt out evenly over `sms` programs (one per multiprocessor: a program uses
+    nearly all its shared memory); when each program gets 4 row blocks or more, it gets whole ones
+    (imbalance <= 1/4, no partials). A request of several row blocks, each cut, has them cut at the
+    same tiles when that costs at most ALIGN_SLACK of balance (aligned): the programs of one run then
+    read the same cache tiles at about the same time, from the L2 after the first, instead of reading
+    the request's cache once per row block from memory (h = 8, t = 9: 2 row blocks). Its row blocks are
+    padded to a whole number of runs (tiles past a request's end are no work).
     num_splits (tests): each row block cut into that many runs of tiles instead."""
     units = b * blocks * tiles
     if num_splits:
@@ -832,8 +838,15 @@ def schedule(b: int, blocks: int, tiles: int, sms: int, num_splits: int | None =
         per = max(-(-units // max(sms, 1)), min(tiles, MIN_TILES))
         if per >= 4 * tiles:
             per = -(-per // tiles) * tiles
+        runs = sms // (b * blocks) if blocks > 1 and per < tiles else 0
+        if runs >= 1:
+            aligned = max(-(-tiles // runs), min(tiles, MIN_TILES))
+            if aligned <= per * (1 + ALIGN_SLACK):
+                runs = -(-tiles // aligned)
+                padded = runs * aligned
+                return b * blocks * runs, aligned, runs if runs > 1 else 0, padded
     slots = 0 if per % tiles == 0 else (tiles - 1) // per + 2  # most programs one row block meets
-    return -(-units // per), per, slots
+    return -(-units // per), per, slots, tiles
 
 
 def launch_sched(q, kv_cache, cache_seqlens, bt, vis, mask_mode, stride_vb, stride_vi, out, lse, part, plse,
