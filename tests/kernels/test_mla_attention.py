@@ -365,3 +365,14 @@ def test_float64_runs_the_reference_and_refuses_the_kernel():
     assert torch.allclose(out[0], expect, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="^q:"):
         tree_mla_attention(q, kv, lengths, softmax_scale=0.2, d_v=32, impl="triton")
+
+
+def test_split_count_fills_the_chip_at_batch_one():
+    """Decode at b = 1 (t*h <= 16: the Triton kernel) on 132 multiprocessors: a long cache is cut into
+    MAX_SPLITS = 128 splits (measured best at s = 32k and 128k since the merge reads splits in rounds);
+    larger batches keep fewer splits, one wave of programs; a short cache gets no more splits than tiles."""
+    cfg = kernels.pick_config(torch.bfloat16, 8, 512)
+    assert kernels.pick_num_splits(1, 1, 32768, cfg, 512, 576, 132) == kernels.MAX_SPLITS == 128
+    assert kernels.pick_num_splits(2, 1, 32768, cfg, 512, 576, 132) == 64
+    assert kernels.pick_num_splits(16, 1, 4096, cfg, 512, 576, 132) == 8
+    assert kernels.pick_num_splits(1, 1, 300, cfg, 512, 576, 132) <= 5  # 5 tiles of 64 slots
