@@ -70,6 +70,8 @@ def emulate(q, kv, lengths, vis, scale, d_c, blocks, tiles, per, programs, n_slo
         (4, 2, 64, [5, 9, 0, 33], None, 1),  # one program: whole blocks, no merge
         (2, 9, 8, [150, 23], None, 13),  # aligned: both row blocks of a request cut at the same tiles
         (5, 5, 16, [61, 200, 0, 7, 120], None, 11),  # aligned, one run per row block: whole blocks, no merge
+        (1, 2, 32, [200], None, 13),  # one row block in 7 runs: the merge reads its slots in several rounds
+        (2, 2, 32, [200, 60], None, 13),  # the same, the second request's runs past its end empty
     ],
 )
 def test_schedule_and_scheduled_merge(b, t, h, prefixes, splits, sms):
