@@ -323,7 +323,7 @@ def pick_config(dtype: torch.dtype, rows: int, d_c: int) -> Config:
 
 
 # The most splits pick_num_splits considers. 128 since the merge reads splits in rounds: at b = 1 the
-# cost model then cuts a long cache into 128 (H200, 2026-12-03 17:33 UTC, h = 8, t = 1, b = 1: s = 32k
+# cost model then cuts a long cache into 128 (H200, 2026-12-03 ~17:29 UTC, h = 8, t = 1, b = 1: s = 32k
 # 26.2 us against 29.5 with 64, s = 128k 56.8 against 80.5; s = 16k 21.2 against 21.1; b >= 2 picks as
 # before, and 64 stayed the best measured there).
 MAX_SPLITS = 128
