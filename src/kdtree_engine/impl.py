@@ -1,10 +1,17 @@
-"""Choosing between the reference (`impl="ref"`) and the GPU kernels (`impl="triton"`)."""
+"""The one vocabulary for choosing an implementation, shared by every op, the model and the engine.
+
+- "ref": the plain torch reference (the specification; any device).
+- "triton": the Triton kernels (CUDA GPUs; the CPU through the Triton interpreter, as in CI).
+- "hopper": the Hopper (sm_90) kernels where an op has one (the tree-verify attention), else the op's
+  Triton kernel (the tree ops have no Hopper-specific kernel).
+- None: the fastest that applies: "hopper" where it applies, else "triton" on CUDA, else "ref".
+"""
 
 from __future__ import annotations
 
 import torch
 
-IMPLS = ("ref", "triton")
+IMPLS = ("ref", "triton", "hopper")
 
 
 def triton_available() -> bool:
@@ -21,12 +28,20 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def resolve_impl(impl: str | None, device: torch.device) -> str:
-    """None picks "triton" for CUDA tensors (when triton imports) and "ref" otherwise."""
+def check_impl(impl: str | None) -> None:
+    """ValueError naming `impl` unless it is None or one of IMPLS (kernels need triton installed)."""
     if impl is None:
-        return "triton" if device.type == "cuda" and triton_available() else "ref"
+        return
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS} or None, got {impl!r}")
-    if impl == "triton" and not triton_available():
-        raise ValueError("impl: 'triton' requested but triton is not installed (pip install triton)")
-    return impl
+    if impl != "ref" and not triton_available():
+        raise ValueError(f"impl: {impl!r} requested but triton is not installed (pip install triton)")
+
+
+def resolve_impl(impl: str | None, device: torch.device) -> str:
+    """The implementation an op without a Hopper-specific kernel runs: "ref" or "triton". None picks
+    "triton" for CUDA tensors (when triton imports) and "ref" otherwise; "hopper" runs "triton"."""
+    check_impl(impl)
+    if impl is None:
+        return "triton" if device.type == "cuda" and triton_available() else "ref"
+    return "ref" if impl == "ref" else "triton"
