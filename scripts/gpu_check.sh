@@ -41,7 +41,7 @@ if [ "$what" != tests ]; then
     "${peer[@]}" 2>&1 | tee "$R/bench_tree.log" || status=1
   # the shapes that the goals name (the full default grid takes longer than one device call)
   timeout "$T_ATTN" python3 -m kdtree_engine bench attention --out "$R/attention" --heads 64 8 \
-    --tokens 1 9 33 --seqlens 4096 32768 --batch 16 --rep 30 --sm90-variants 2>&1 | tee "$R/bench_attention.log" \
+    --tokens 1 9 33 --seqlens 4096 32768 --batch 16 --rep 30 2>&1 | tee "$R/bench_attention.log" \
     || status=1
   # per-launch times of the vocab top-k variants (partials / select), exactness checked
   sweep=()

@@ -1,20 +1,103 @@
-"""Public tree-verify MLA attention op (absorbed form, tree mask). See DESIGN.md section 2."""
+"""Tree-verify MLA attention (absorbed form, tree mask): the public op and its per-forward plan.
+
+`plan_attention` validates a forward's inputs once, picks the kernel from the dispatch table, sizes
+its schedule and workspace, and returns an `AttentionPlan` that every layer's `plan.run(q, kv)` reuses.
+`tree_mla_attention` is one plan and one run. The Hopper kernel's schedule is computed on the device
+from the lengths, so a forward captured in a CUDA graph replays correctly for new lengths.
+"""
 
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import dataclass
 
 import torch
 
-from kdtree_engine.impl import capturing, resolve_impl
+from kdtree_engine.impl import capturing, check_impl
+from kdtree_engine.kernels.mla_attention_args import Mask, Problem
 from kdtree_engine.ref import mla_attention as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: impl="ref" only
-# the sm90-* names are "sm90-" + kernels.mla_attention_sm90.VARIANTS (a test holds them equal)
-BACKENDS = ("auto", "triton", "sm90", "sm90-roles", "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide")
-BACKEND_ENV = "KDTREE_ATTENTION_BACKEND"
 INT_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One forward's attention: the kernel that runs ("ref", "triton" or "hopper"), the problem every
+    layer shares, and the kernel's launch (schedule and workspace). `run` checks only the shapes."""
+
+    kernel: str
+    problem: Problem
+    dtype: torch.dtype
+    q_shape: tuple[int, ...]
+    kv_shape: tuple[int, ...]
+    launch: object | None  # mla_attention_triton.Launch or mla_attention_hopper.Launch
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [b, t, h, d] and kv_cache of this layer (shapes and dtype as planned) -> out [b, t, h, d_v]
+        in q's dtype, lse [b, t, h] float32 (float64 for float64 q)."""
+        _expect(tuple(q.shape) == self.q_shape and q.dtype == self.dtype, "q",
+                f"planned for {self.q_shape} {self.dtype}, got {tuple(q.shape)} {q.dtype}")  # fmt: skip
+        _expect(tuple(kv_cache.shape) == self.kv_shape and kv_cache.dtype == self.dtype, "kv_cache",
+                f"planned for {self.kv_shape} {self.dtype}, got {tuple(kv_cache.shape)} {kv_cache.dtype}")  # fmt: skip
+        p = self.problem
+        if self.kernel == "ref":
+            return _run_ref(p, q, kv_cache)
+        q = q.contiguous()
+        out = torch.empty(p.b, p.t, p.h, p.d_v, dtype=q.dtype, device=q.device)
+        lse = torch.empty(p.b, p.t, p.h, dtype=torch.float32, device=q.device)
+        if self.kernel == "hopper":
+            _run_hopper(self.launch, p, q, kv_cache, out, lse)
+        else:
+            _run_triton(self.launch, p, q, kv_cache, out, lse)
+        return out, lse
+
+
+def plan_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    softmax_scale: float,
+    d_v: int = 512,
+    visibility: torch.Tensor | None = None,
+    ancestor_bits: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    impl: str | None = None,
+    max_seqlen: int | None = None,
+    validate: bool = True,
+    num_splits: int | None = None,
+) -> AttentionPlan:
+    """The plan of one forward's attention, for every layer whose q and cache have these shapes.
+
+    q [b, t, h, d_v + d_r] absorbed queries (bf16, fp16 or float32; float64 runs the reference);
+    kv_cache [b, s_max, d_v + d_r] contiguous per request, or [pages, page_size, d_v + d_r] with
+    block_table [b, max_pages] int32/int64; cache_seqlens [b] int: slots in use, prefix + t (the tree is
+    the last t); visibility [b, t, t] bool or ancestor_bits [b, t] int64 (t <= 64); neither: causal.
+    Row i of the mask must see itself. impl: None, "ref", "triton" or "hopper" (kdtree_engine.impl).
+    validate: check the values (lengths, diagonal, pages) with one host sync; skipped while a CUDA
+    graph is captured. max_seqlen: a bound on cache_seqlens when known (validation finds it); it steers
+    the split count and lets the plan skip a merge that has nothing to merge. num_splits: force the KV
+    range of each row block into that many pieces (tests)."""
+    _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
+    check_impl(impl)
+    if validate and not capturing(q.device):
+        max_seqlen = _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table)
+    kernel = choose_kernel(impl, q, kv_cache, d_v, block_table is not None)
+    b, t, h, d = q.shape
+    if kernel == "ref" and visibility is None:
+        visibility = _ref_visibility(ancestor_bits, b, t, q.device)
+        ancestor_bits = None
+    mask = Mask.make(visibility, ancestor_bits, cache_seqlens)
+    problem = Problem(b, t, h, d, d_v, softmax_scale, cache_seqlens, mask, block_table)
+    capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    bound = min(max_seqlen or capacity, capacity)
+    launch = None
+    if kernel == "hopper":
+        launch = _plan_hopper(problem, q.device, bound if max_seqlen else None, num_splits or 0)
+    elif kernel == "triton":
+        launch = _plan_triton(problem, q.dtype, q.device, bound, num_splits)
+    return AttentionPlan(kernel, problem, q.dtype, tuple(q.shape), tuple(kv_cache.shape), launch)
 
 
 def tree_mla_attention(
@@ -28,65 +111,108 @@ def tree_mla_attention(
     ancestor_bits: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
     impl: str | None = None,
-    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of t tree (or new) tokens per request over its cached prefix plus the tree itself.
+    """Attention of t tree (or new) tokens per request over its cached prefix plus the tree itself:
+    plan_attention(...).run(q, kv_cache) (see plan_attention for the arguments). Returns out
+    [b, t, h, d_v] in q's dtype and lse [b, t, h] float32 (float64 for float64 q; natural log)."""
+    plan = plan_attention(q, kv_cache, cache_seqlens, softmax_scale=softmax_scale, d_v=d_v, visibility=visibility,
+                          ancestor_bits=ancestor_bits, block_table=block_table, impl=impl)  # fmt: skip
+    return plan.run(q, kv_cache)
 
-    q [b, t, h, d_v + d_r] absorbed queries (bf16, fp16 or float32; float64 runs the reference);
-    kv_cache [b, s_max, d_v + d_r] contiguous per request, or [pages, page_size, d_v + d_r] with
-    block_table [b, max_pages] int32/int64;
-    cache_seqlens [b] int: slots in use, prefix + t (the tree is the last t slots);
-    visibility [b, t, t] bool or ancestor_bits [b, t] int64 (t <= 64); neither means causal.
-    Row i of the mask must see itself (diagonal set). Returns out [b, t, h, d_v] in q's dtype and
-    lse [b, t, h] float32 (float64 for float64 q; natural log). Value checks (lengths, diagonal, pages)
-    need one host sync and are skipped while a CUDA graph is being captured.
-    backend (kernels only): "auto" (default: the Hopper Gluon kernel for the prefix where it applies,
-    see docs/attention.md, else the Triton kernel), "triton" (the Triton kernel alone), "sm90",
-    "sm90-roles", "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide"; None reads the environment
-    variable KDTREE_ATTENTION_BACKEND (so a whole model can be switched), else "auto".
-    """
-    _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
-    max_seqlen = _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table)
-    b, t = q.shape[:2]
-    backend = _check_backend(backend)
-    chosen = resolve_impl(impl, q.device)
-    if q.dtype == torch.float64:
-        _expect(impl != "triton", "q", "float64 runs only with impl='ref' (the kernels take bf16/fp16/fp32)")
-        chosen = "ref"
-    if chosen == "triton":
-        from kdtree_engine.kernels import mla_attention as kernels
 
-        return kernels.tree_mla_attention(
-            q,
-            kv_cache,
-            cache_seqlens,
-            visibility,
-            softmax_scale,
-            d_v,
-            block_table,
-            ancestor_bits=ancestor_bits,
-            causal=visibility is None and ancestor_bits is None,
-            max_seqlen=max_seqlen,
-            backend=backend,
-        )
-    if visibility is None:
-        if ancestor_bits is not None:
-            visibility = ref.bits_to_visibility(ancestor_bits, t)
-        else:
-            visibility = torch.ones(t, t, dtype=torch.bool, device=q.device).tril().expand(b, t, t)
-    out, lse = ref.tree_mla_attention(q, kv_cache, cache_seqlens, visibility, softmax_scale, d_v, block_table)
+def choose_kernel(impl: str | None, q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool) -> str:
+    """The dispatch table (first match):
+
+    | impl               | when                                    | kernel   |
+    |--------------------|-----------------------------------------|----------|
+    | "ref"              | always                                  | "ref"    |
+    | None               | q on the CPU, or float64 q              | "ref"    |
+    | "triton"           | always (the CPU: Triton's interpreter)  | "triton" |
+    | None or "hopper"   | the Hopper kernel serves the call       | "hopper" |
+    | None or "hopper"   | otherwise (any page size, few rows, ...) | "triton" |
+
+    "hopper" on a GPU that is not sm_90 is an error; the Hopper kernel serves bf16/fp16 on sm_90 with
+    d = 512 + 64, more than 16 query rows per request, and a cache readable in 64-row boxes."""
+    if impl == "ref" or (impl is None and (not q.is_cuda or q.dtype == torch.float64)):
+        return "ref"
+    _expect(
+        q.dtype != torch.float64, "q", "float64 runs only with impl='ref' (the kernels take bf16/fp16/fp32)"
+    )
+    if impl == "triton":
+        return "triton"
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+    on_hopper = q.is_cuda and hopper.supported_device(q.get_device())
+    _expect(impl is None or on_hopper, "impl", "'hopper' needs a CUDA GPU of compute capability 9.x")
+    return "hopper" if on_hopper and hopper.serves(q, kv_cache, d_v, paged) else "triton"
+
+
+def _plan_hopper(p: Problem, device: torch.device, max_seqlen: int | None, forced: int):
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+    from kdtree_engine.kernels import mla_attention_schedule as schedule
+
+    sms = _multiprocessors(device)
+    blocks = -(-p.rows // hopper.BLOCK_M)
+    sched = schedule.device_schedule(p.seqlens, blocks, sms, hopper.TILE, forced)
+    if max_seqlen is not None:  # the host knows the schedule: the exact grid, and a merge only if cut
+        host = schedule.schedule(p.b, blocks, -(-max_seqlen // hopper.TILE), sms, forced)
+        programs, merge = host.programs, host.cuts()
+    else:
+        programs, merge = (p.b * blocks * forced if forced else sms), True
+    part = torch.empty(2 * programs, hopper.BLOCK_M, p.d_v, dtype=torch.float32, device=device)
+    plse = torch.empty(2 * programs, hopper.BLOCK_M, dtype=torch.float32, device=device)
+    pieces = schedule.max_pieces(p.b, blocks, sms, forced)
+    return hopper.Launch(programs, sched, part, plse, merge, pieces)
+
+
+def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+    from kdtree_engine.kernels.mla_attention_merge import merge_pieces
+
+    _expect(kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0, "kv_cache",
+            "the Hopper kernel was planned: this layer's cache must be contiguous and 16-byte aligned too")  # fmt: skip
+    hopper.run(launch, p, q, kv_cache, out, lse)
+    if launch.merge:
+        blocks = -(-p.rows // hopper.BLOCK_M)
+        merge_pieces(launch.part, launch.plse, out, lse, launch.sched, p.rows, blocks, hopper.BLOCK_M,
+                     launch.max_pieces)  # fmt: skip
+
+
+def _plan_triton(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, num_splits: int | None):
+    from kdtree_engine.kernels import mla_attention_triton as triton_attention
+
+    return triton_attention.plan(p, dtype, device, max_len, _multiprocessors(device), num_splits=num_splits)
+
+
+def _run_triton(launch, p: Problem, q, kv_cache, out, lse) -> None:
+    from kdtree_engine.kernels import mla_attention_triton as triton_attention
+    from kdtree_engine.kernels.mla_attention_merge import merge_splits
+
+    if kv_cache.stride(-1) != 1:
+        kv_cache = kv_cache.contiguous()
+    triton_attention.run(launch, p, q, kv_cache, out, lse)
+    if launch.part is not None:
+        merge_splits(launch.part, launch.plse, out.view(p.b, p.rows, p.d_v), lse.view(p.b, p.rows))
+
+
+def _multiprocessors(device: torch.device) -> int:
+    from kdtree_engine.kernels._device import multiprocessors
+
+    if device.type != "cuda":
+        return multiprocessors(-1)
+    return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _run_ref(p: Problem, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    vis = p.mask.tensor.view(torch.bool)
+    out, lse = ref.tree_mla_attention(q, kv_cache, p.seqlens, vis, p.softmax_scale, p.d_v, p.block_table)
     return out.to(q.dtype), lse
 
 
-def _check_backend(backend: str | None) -> str:
-    if backend is None:
-        env = os.environ.get(BACKEND_ENV)
-        if env is None:
-            return "auto"
-        _expect(env in BACKENDS, BACKEND_ENV, f"expected one of {BACKENDS}, got {env!r}")
-        return env
-    _expect(backend in BACKENDS, "backend", f"expected one of {BACKENDS} or None, got {backend!r}")
-    return backend
+def _ref_visibility(ancestor_bits: torch.Tensor | None, b: int, t: int, device) -> torch.Tensor:
+    if ancestor_bits is not None:
+        return ref.bits_to_visibility(ancestor_bits, t)
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
 
 
 def _expect(ok: bool, name: str, what: str) -> None:
@@ -146,10 +272,8 @@ def _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, an
         )
 
 
-def _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table) -> int | None:
+def _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table) -> int:
     """Checks that need the tensors' values, in one host transfer; returns max(cache_seqlens)."""
-    if capturing(q.device):
-        return None
     b, t = q.shape[:2]
     seq = cache_seqlens.long()
     checks = [seq.min(), seq.max()]

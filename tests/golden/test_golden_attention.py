@@ -17,7 +17,7 @@ TOLERANCE = {"ref": 1e-6, "triton": 1e-4}
 
 def impls():
     try:
-        import kdtree_engine.kernels.mla_attention  # noqa: F401
+        import kdtree_engine.kernels.mla_attention_triton  # noqa: F401
     except ImportError:
         return ["ref"]
     return ["ref", "triton"]

@@ -9,11 +9,14 @@ probabilities in P @ V) and 2e-3 on lse (fp32 accumulation of exact bf16 product
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from kdtree_engine.attention import tree_mla_attention
-from kdtree_engine.kernels import mla_attention as kernels
+from kdtree_engine import attention
+from kdtree_engine.attention import plan_attention, tree_mla_attention
+from kdtree_engine.kernels import mla_attention_triton as kernels
 from kdtree_engine.ref import mla_attention as ref
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-3), torch.float16: (2e-2, 2e-3)}  # (out, lse)
@@ -74,28 +77,35 @@ def assert_close(name, got, want, tol):
     )
 
 
-def check(device, b, t, h, d_c, d_r, prefixes, dtype, page, tree, seed, mask="visibility", **kernel_kwargs):
-    """Kernel vs reference; mask: how the kernel gets the tree ("visibility", "bits": ancestor bits,
-    "causal": causal=True, for chain trees)."""
+def check(device, b, t, h, d_c, d_r, prefixes, dtype, page, tree, seed, mask="visibility", impl="triton",
+          num_splits=None, config=None, force_hopper=False):  # fmt: skip
+    """Kernel vs reference through the public plan; mask: how the kernel gets the tree ("visibility",
+    "bits": ancestor bits, "causal": neither, for chain trees). config: a Triton launch shape;
+    force_hopper: the Hopper kernel even where the dispatch would not pick it (few rows)."""
     gen = torch.Generator().manual_seed(seed)
     q, kv, lengths, vis, bits, bt = make_inputs(b, t, h, d_c, d_r, prefixes, dtype, page, tree, gen)
     scale = (d_c + d_r) ** -0.5 * 1.3
     want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c, bt)
-    to = {"device": device}
-    args = [x.to(**to) if x is not None else None for x in (q, kv, lengths, vis, bt)]
-    if mask == "bits":
-        args[3], kernel_kwargs = None, {**kernel_kwargs, "ancestor_bits": bits.to(**to)}
-    elif mask == "causal":
-        assert tree == "chain"
-        args[3], kernel_kwargs = None, {**kernel_kwargs, "causal": True}
-    got_out, got_lse = kernels.tree_mla_attention(
-        args[0], args[1], args[2], args[3], scale, d_c, args[4], **kernel_kwargs
+    q, kv, lengths, vis, bits, bt = (
+        x.to(device) if x is not None else None for x in (q, kv, lengths, vis, bits, bt)
     )
+    masks = {"visibility": {"visibility": vis}, "bits": {"ancestor_bits": bits}, "causal": {}}
+    assert mask != "causal" or tree == "chain"
+    plan = plan_attention(q, kv, lengths, softmax_scale=scale, d_v=d_c, block_table=bt, impl=impl,
+                          num_splits=num_splits, **masks[mask])  # fmt: skip
+    if config is not None:
+        launch = kernels.plan(plan.problem, dtype, q.device, int(lengths.max()), 4, config, num_splits)
+        plan = dataclasses.replace(plan, launch=launch)
+    if force_hopper:
+        launch = attention._plan_hopper(plan.problem, q.device, int(lengths.max()), num_splits or 0)
+        plan = dataclasses.replace(plan, kernel="hopper", launch=launch)
+    got_out, got_lse = plan.run(q, kv)
     assert got_out.dtype == dtype and got_out.shape == (b, t, h, d_c)
     assert got_lse.dtype == torch.float32 and got_lse.shape == (b, t, h)
     tol_out, tol_lse = TOL[dtype]
     assert_close("out", got_out, want_out, tol_out)
     assert_close("lse", got_lse, want_lse, tol_lse)
+    return plan
 
 
 SMALL = [  # (t, h, prefixes, page, tree, splits)
@@ -170,18 +180,26 @@ def test_public_op_mask_forms(device, mask):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_causal_prefill_skips_future_tiles(device, splits):
     """Causal with many row blocks (t = 70 > 64, so no ancestor bits): each block stops at its last node."""
-    gen = torch.Generator().manual_seed(11 + splits)
-    b, t, h = 2, 70, 1
-    q, kv, lengths, _, _, _ = make_inputs(b, t, h, 32, 8, [0, 45], torch.float32, None, "chain", gen)
-    q, kv, lengths = q.to(device), kv.to(device), lengths.to(device)
-    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
     cfg = kernels.Config(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    got = kernels.tree_mla_attention(
-        q, kv, lengths, None, 0.2, 32, causal=True, config=cfg, num_splits=splits
-    )
-    want = ref.tree_mla_attention(q, kv, lengths, causal, 0.2, 32)
-    assert_close("out", got[0], want[0], 1e-4)
-    assert_close("lse", got[1], want[1], 1e-4)
+    check(device, 2, 70, 1, 32, 8, [0, 45], torch.float32, None, "chain", seed=11 + splits, mask="causal",
+          num_splits=splits, config=cfg)  # fmt: skip
+
+
+def test_plan_runs_every_layer_and_checks_its_shapes(device):
+    """One plan, several layers' caches: each run equals its own one-shot call; a layer of another shape
+    or dtype is refused (the plan's launch would not fit it)."""
+    gen = torch.Generator().manual_seed(21)
+    q, kv, lengths, vis, _, _ = make_inputs(2, 5, 2, 32, 8, [9, 40], torch.float32, None, "random", gen)
+    q, kv, lengths, vis = (x.to(device) for x in (q, kv, lengths, vis))
+    kw = dict(softmax_scale=0.2, d_v=32, visibility=vis, impl="triton")
+    layers = [kv, kv.nan_to_num(0.0) * 0.5]
+    plan = plan_attention(q, kv, lengths, **kw)
+    for layer in layers:
+        assert torch.equal(plan.run(q, layer)[0], tree_mla_attention(q, layer, lengths, **kw)[0])
+    with pytest.raises(ValueError, match="^q:"):
+        plan.run(q[:, :4], kv)
+    with pytest.raises(ValueError, match="^kv_cache:"):
+        plan.run(q, kv.to(torch.bfloat16))
 
 
 def _valid(device):
@@ -270,83 +288,90 @@ def test_gpu_split_counts(device, splits):
     )
 
 
-# The sm_90 Gluon prefix kernel (kernels/mla_attention_sm90.py) serves bf16/fp16 with t*h > 16 on
-# Hopper under backend="auto"; the sweeps above run it there. These pin each backend explicitly.
+def _hopper(device) -> bool:
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+    return hopper.supported_device(torch.device(device).index or 0)
+
+
+# Each implementation pinned: "hopper" (the dispatch still gives pages the TMA boxes cannot read to the
+# Triton kernel) and "triton", every page size, several forced split counts, fp16 on some cases.
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "backend", ["sm90-pipe", "sm90-sched", "sm90-roles", "sm90-double", "sm90-wide", "triton"]
-)
+@pytest.mark.parametrize("impl", ["hopper", "triton"])
 @pytest.mark.parametrize("page", [None, 1, 16, 64])
 @pytest.mark.parametrize("splits", [None, 1, 3, 5])
-def test_gpu_backends(device, backend, page, splits):
-    from kdtree_engine.kernels import mla_attention_sm90 as sm90
-
-    if backend.startswith("sm90") and not sm90.supported_device(torch.device(device).index or 0):
-        pytest.skip("sm90 backend needs a compute capability 9.x GPU")
-    # prefixes around the 64-slot tile edge and a long one; fp16 on some cases
+def test_gpu_impls(device, impl, page, splits):
+    if impl == "hopper" and not _hopper(device):
+        pytest.skip("the Hopper kernel needs a compute capability 9.x GPU")
     dtype = torch.float16 if page == 16 or (page == 64 and splits == 3) else torch.bfloat16
-    check(device, 5, 17, 16, 512, 64, [0, 63, 64, 129, 3000], dtype, page, "random", seed=7,
-          num_splits=splits, backend=backend)  # fmt: skip
+    plan = check(device, 5, 17, 16, 512, 64, [0, 63, 64, 129, 3000], dtype, page, "random", seed=7, impl=impl,
+                 num_splits=splits)  # fmt: skip
+    assert plan.kernel == ("hopper" if impl == "hopper" and page in (None, 64) else "triton")
 
 
-# The "sched" kernel's mask modes, its schedule cutting row blocks at every place (splits: each row
-# block cut into that many runs, so programs start and end mid-block and span block edges), and the
-# causal fallback (causal calls take the "wide" prefix kernel plus the Triton tail).
+# The Hopper kernel's mask modes and its schedule cutting row blocks at every place (splits: each row
+# block cut into that many runs, so programs start and end mid-block and span block edges), also at
+# shapes the dispatch gives to the Triton kernel (16 query rows or fewer).
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sm90-pipe", "sm90-sched", "sm90-roles"])
 @pytest.mark.parametrize("mask", ["visibility", "bits", "causal"])
 @pytest.mark.parametrize("splits", [None, 2, 7])
-@pytest.mark.parametrize(
-    "t,h,page", [(9, 64, None), (33, 8, 64), (64, 2, 1), (5, 16, None), (1, 8, None), (3, 1, 64)]
-)
-def test_gpu_sched(device, backend, mask, splits, t, h, page):
-    from kdtree_engine.kernels import mla_attention_sm90 as sm90
-
-    if not sm90.supported_device(torch.device(device).index or 0):
-        pytest.skip("sm90 backend needs a compute capability 9.x GPU")
+@pytest.mark.parametrize("t,h,page", [(9, 64, None), (33, 8, 64), (64, 2, None), (5, 16, None), (1, 8, None),
+                                      (3, 1, 64), (70, 1, None)])  # fmt: skip
+def test_gpu_hopper_schedule(device, mask, splits, t, h, page):
+    if not _hopper(device) or (mask == "bits" and t > 64):
+        pytest.skip("the Hopper kernel needs a compute capability 9.x GPU; ancestor bits t <= 64")
     tree = "chain" if mask == "causal" else "random"
-    check(device, 4, t, h, 512, 64, [0, 127, 128, 700], torch.bfloat16, page, tree, seed=t + h,
-          mask=mask, num_splits=splits, backend=backend)  # fmt: skip
+    check(device, 4, t, h, 512, 64, [0, 127, 128, 700], torch.bfloat16, page, tree, seed=t + h, mask=mask,
+          num_splits=splits, force_hopper=True)  # fmt: skip
 
 
-def test_backend_argument_is_checked(device):
-    gen = torch.Generator().manual_seed(0)
-    q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
-    args = [x.to(device) for x in (q, kv, lengths, vis)]
-    with pytest.raises(ValueError, match="^backend:"):
-        kernels.tree_mla_attention(*args, 0.1, 32, backend="cuda")
-    with pytest.raises(ValueError, match="^backend:"):  # float32 and d = 32 + 8: not the sm90 shapes
-        kernels.tree_mla_attention(*args, 0.1, 32, backend="sm90")
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,h", [("hopper", 64), ("hopper", 8), ("triton", 8)])
+def test_gpu_captured_plan_replays_new_lengths(device, impl, h):
+    """A plan built and run inside a CUDA graph (no host read: the schedule is computed on the device)
+    replays correctly after the lengths change in place, longer and shorter than at capture."""
+    if impl == "hopper" and not _hopper(device):
+        pytest.skip("the Hopper kernel needs a compute capability 9.x GPU")
+    gen = torch.Generator().manual_seed(h)
+    b, t, d_c = 3, 9, 512
+    q, kv, lengths, vis, _, _ = make_inputs(b, t, h, d_c, 64, [100, 2000, 0], torch.bfloat16, None, "random", gen,
+                                            capacity=6000)  # fmt: skip
+    kv = torch.randn(kv.shape, generator=gen).to(torch.bfloat16)  # every slot valid: lengths may grow
+    q, kv, vis = q.cuda(), kv.cuda(), vis.cuda()
+    seqlens = lengths.cuda()
+    kw = dict(softmax_scale=0.05, d_v=d_c, visibility=vis, impl=impl)
+    plan_attention(q, kv, seqlens, **kw).run(q, kv)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = plan_attention(q, kv, seqlens, **kw).run(q, kv)
+    for new in ([100, 2000, 9], [5000, 40, 3999], [9, 9, 9]):
+        seqlens.copy_(torch.tensor(new))
+        graph.replay()
+        want_out, want_lse = ref.tree_mla_attention(
+            q.cpu(), kv.cpu(), torch.tensor(new), vis.cpu(), 0.05, d_c
+        )
+        assert_close("out", out, want_out, TOL[torch.bfloat16][0])
+        assert_close("lse", lse, want_lse, TOL[torch.bfloat16][1])
 
 
-def test_public_backend_choice(device, monkeypatch):
-    """The public op's backend= (or KDTREE_ATTENTION_BACKEND) reaches the kernels; bad values are
-    refused at the boundary, naming the argument or the variable."""
-    from kdtree_engine import attention
-    from kdtree_engine.kernels import mla_attention_sm90 as sm90
-
-    assert attention.BACKENDS == kernels.BACKENDS
-    pinned = {name[5:] for name in attention.BACKENDS if name.startswith("sm90-")}
-    assert pinned == set(sm90.VARIANTS) | {"roles"}
-    from kdtree_engine.kernels import mla_attention_roles as roles
-
-    assert sm90.tile_rows("roles") == roles.BN.value  # the dispatcher's schedule unit is the kernel's tile
+def test_impl_is_checked_and_dispatch_reads_as_a_table(device):
+    """impl is one of the package's names; the table picks the reference on the CPU, the Triton kernel
+    where asked or where the Hopper kernel does not serve (float32, d = 32 + 8)."""
     gen = torch.Generator().manual_seed(1)
     q, kv, lengths, vis, _, _ = make_inputs(1, 2, 2, 32, 8, [5], torch.float32, None, "chain", gen)
     q, kv, lengths, vis = (x.to(device) for x in (q, kv, lengths, vis))
-    kw = dict(softmax_scale=0.1, d_v=32, visibility=vis, impl="triton")
-    want, _ = tree_mla_attention(q, kv, lengths, **kw)
-    got, _ = tree_mla_attention(q, kv, lengths, backend="triton", **kw)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="^backend:"):
-        tree_mla_attention(q, kv, lengths, backend="cuda", **kw)
-    with pytest.raises(ValueError, match="^backend:"):  # float32, d = 32 + 8: not the sm90 shapes
-        tree_mla_attention(q, kv, lengths, backend="sm90", **kw)
-    monkeypatch.setenv("KDTREE_ATTENTION_BACKEND", "triton")
-    assert torch.equal(tree_mla_attention(q, kv, lengths, **kw)[0], want)
-    monkeypatch.setenv("KDTREE_ATTENTION_BACKEND", "fast")
-    with pytest.raises(ValueError, match="^KDTREE_ATTENTION_BACKEND:"):
-        tree_mla_attention(q, kv, lengths, **kw)
+    kw = dict(softmax_scale=0.1, d_v=32, visibility=vis)
+    with pytest.raises(ValueError, match="^impl:"):
+        tree_mla_attention(q, kv, lengths, impl="sm90", **kw)
+    assert plan_attention(q, kv, lengths, impl="ref", **kw).kernel == "ref"
+    assert plan_attention(q, kv, lengths, impl="triton", **kw).kernel == "triton"
+    assert plan_attention(q, kv, lengths, **kw).kernel == ("triton" if q.is_cuda else "ref")
+    if not q.is_cuda or not _hopper(device):
+        with pytest.raises(ValueError, match="^impl: 'hopper' needs"):
+            plan_attention(q, kv, lengths, impl="hopper", **kw)
+    else:
+        assert plan_attention(q, kv, lengths, impl="hopper", **kw).kernel == "triton"
 
 
 def test_float64_runs_the_reference_and_refuses_the_kernel():

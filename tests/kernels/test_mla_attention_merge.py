@@ -1,11 +1,11 @@
-"""The LSE merge of split-KV partials (kernels.mla_attention._merge) against torch's logsumexp, with
+"""The LSE merge of split-KV partials (kernels.mla_attention_merge.merge_splits) against torch's logsumexp, with
 more splits than one round of loads takes, empty splits whose partial holds NaN, and rows no split saw.
 CPU: the Triton interpreter (4 splits per round); GPU: the launch a CUDA call uses (MERGE_SPLITS)."""
 
 import pytest
 import torch
 
-from kdtree_engine.kernels import mla_attention as kernels
+from kdtree_engine.kernels.mla_attention_merge import merge_splits
 
 
 def _inputs(b, splits, rows, d_c, gen):
@@ -30,7 +30,7 @@ def _run(part, plse, rows, d_c):
     b, splits = part.shape[:2]
     out = torch.empty(b, rows, d_c, device=part.device)
     lse = torch.empty(b, rows, device=part.device)
-    kernels._merge(part, plse, out, lse, rows, splits, d_c)
+    merge_splits(part, plse, out, lse)
     return out, lse
 
 

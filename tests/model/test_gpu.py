@@ -62,12 +62,15 @@ def _row_errors(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["ref", "triton"])
+@pytest.mark.parametrize("impl", ["ref", "triton", "hopper"])
 def test_bf16_cuda_close_to_float32(impl: str) -> None:
     """bf16 rounding can flip a routing choice of the random tiny model (a few rows then differ by
-    O(1)), so the bf16 check is on the median row and the fraction of close rows."""
-    if impl == "triton":
-        pytest.importorskip("kdtree_engine.kernels.mla_attention")
+    O(1)), so the bf16 check is on the median row and the fraction of close rows. "hopper": the Hopper
+    attention kernel where it serves (bf16 forwards of more than 16 query rows), Triton elsewhere."""
+    if impl != "ref":
+        pytest.importorskip("kdtree_engine.kernels.mla_attention_triton")
+    if impl == "hopper" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper kernel needs a compute capability 9.x GPU")
     cfg = tiny_config(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
     ref32 = _scenario(random_model(cfg, seed=1, device="cuda"), "ref")
     f32 = _scenario(random_model(cfg, seed=1, device="cuda"), impl)
@@ -86,7 +89,7 @@ def test_bf16_cuda_close_to_float32(impl: str) -> None:
 
 def test_triton_impl_float32_on_the_cpu_interpreter() -> None:
     """The whole model with impl="triton" (interpreter without CUDA) equals impl="ref" in float32."""
-    pytest.importorskip("kdtree_engine.kernels.mla_attention")
+    pytest.importorskip("kdtree_engine.kernels.mla_attention_triton")
     if torch.cuda.is_available():
         pytest.skip("covered by the CUDA test")
     model = random_model(tiny_config(), seed=1)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import kdtree_engine.model.mla as mla
-from kdtree_engine.model import LatentKVCache, generate, random_model, tiny_config
+from kdtree_engine.attention import AttentionPlan
+from kdtree_engine.model import LatentKVCache, greedy_generate, random_model, tiny_config
 from tests.model.hf_compare import hf_pair
 
 
@@ -57,22 +58,28 @@ def test_forward_rejects_bad_input(model) -> None:
     assert cache.seqlens.tolist() == [0, 0]
 
 
-def test_every_forward_goes_through_the_attention_op(model, monkeypatch) -> None:
-    calls = []
+def test_every_forward_plans_its_attention_once(model, monkeypatch) -> None:
+    """One attention plan per forward (validation, kernel choice, schedule), run by every layer."""
+    plans, runs = [], []
+    real_plan, real_run = mla.plan_attention, AttentionPlan.run
 
-    def spy(q, kv, seqlens, **kw):
-        calls.append((tuple(q.shape), seqlens.tolist(), kw["visibility"].shape, kw["impl"]))
-        return real(q, kv, seqlens, **kw)
+    def spy_plan(q, kv, seqlens, **kw):
+        plans.append((tuple(q.shape), seqlens.tolist(), kw["visibility"].shape, kw["impl"]))
+        return real_plan(q, kv, seqlens, **kw)
 
-    real = mla.tree_mla_attention
-    monkeypatch.setattr(mla, "tree_mla_attention", spy)
+    def spy_run(self, q, kv):
+        runs.append(tuple(q.shape))
+        return real_run(self, q, kv)
+
+    monkeypatch.setattr(mla, "plan_attention", spy_plan)
+    monkeypatch.setattr(AttentionPlan, "run", spy_run)
     cache = model.new_cache(1, 10)
     model(torch.tensor([[5, 6, 7]]), cache, impl="ref")
     model(torch.tensor([[8]]), cache, impl="ref")
     c = model.config
-    assert len(calls) == 2 * c.num_hidden_layers
-    assert calls[0] == ((1, 3, c.num_attention_heads, c.latent_dim), [3], (1, 3, 3), "ref")
-    assert calls[-1][:2] == ((1, 1, c.num_attention_heads, c.latent_dim), [4])
+    assert len(plans) == 2 and len(runs) == 2 * c.num_hidden_layers
+    assert plans[0] == ((1, 3, c.num_attention_heads, c.latent_dim), [3], (1, 3, 3), "ref")
+    assert plans[1][:2] == ((1, 1, c.num_attention_heads, c.latent_dim), [4])
 
 
 @torch.no_grad()
@@ -92,16 +99,16 @@ def test_capture_layers_are_decoder_layer_outputs() -> None:
 def test_generate_equals_full_recompute_greedy() -> None:
     hf, ours = hf_pair("dense2_shared2_g4k2_bias", torch.float64)
     prompts = [[3, 9, 27, 81, 115, 90], [7], [12, 40, 2]]
-    got = generate(ours, prompts, 6)
+    got = greedy_generate(ours, prompts, 6)
     for p, g in zip(prompts, got):
         seq = list(p)
         for _ in range(6):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
         assert g == seq[len(p) :]
     stop = got[0][2]
-    early = generate(ours, torch.tensor([prompts[0]]), 6, eos_token_id=stop)[0]
+    early = greedy_generate(ours, torch.tensor([prompts[0]]), 6, eos_token_id=stop)[0]
     assert early == got[0][: got[0].index(stop) + 1]
-    assert generate(ours, prompts, 0) == [[], [], []]
+    assert greedy_generate(ours, prompts, 0) == [[], [], []]
 
 
 def test_random_model_is_seeded() -> None:
@@ -111,7 +118,7 @@ def test_random_model_is_seeded() -> None:
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     cfg = tiny_config()
     assert cfg.first_k_dense_replace == 1 < cfg.num_hidden_layers and cfg.n_group > cfg.topk_group
-    assert generate(a, [[1, 2, 3]], 5) == generate(b, [[1, 2, 3]], 5)
+    assert greedy_generate(a, [[1, 2, 3]], 5) == greedy_generate(b, [[1, 2, 3]], 5)
 
 
 def test_logits_rows_keeps_one_row_per_request(model) -> None:

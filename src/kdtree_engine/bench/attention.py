@@ -1,10 +1,14 @@
-"""`kdtree-engine bench attention`: the Triton tree-verify MLA kernel against naive torch and the roofline.
+"""`kdtree-engine bench attention`: tree-verify MLA attention against naive torch and the roofline.
 
 Kimi-K2 shapes per layer (d_c = 512, d_r = 64, bf16): h heads, t tree nodes per request, s cached
 tokens (prefix + tree) per request, b requests. Work per request: 2*t*h*(576+512)*s FLOPs and 576*2*s
 bytes of cache. Times are GPU times per call: medians of CUDA-event timings of CUDA-graph replays
 (triton.testing.do_bench, L2 flushed before each replay) of several calls on distinct inputs; host
-launch overhead is excluded (see graph_us). The roofline is measured in the same run: a device-to-device
+launch overhead is excluded (see graph_us). Each problem's attention plan is built once, outside the
+timing, as a model builds it once per forward for all its layers: the time is one layer's. "us" runs the
+plan built with validation (the lengths known on the host); "device-planned us" runs the plan a
+captured forward builds (no host read: the schedule from the device, the merge always launched). The
+roofline is measured in the same run: a device-to-device
 copy (bytes read + written) and a large bf16 matmul; roof% = max(FLOPs / matmul rate, bytes / copy
 rate) / our time.
 """
@@ -34,9 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[16])
     parser.add_argument("--page-size", type=int, default=0, help="0: contiguous cache; else paged")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive torch baseline")
-    parser.add_argument("--sweep", action="store_true", help="also time launch-config / split variants")
-    parser.add_argument("--sm90-variants", action="store_true",
-                        help="also time each sm_90 variant at its default schedule")  # fmt: skip
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per point, ms")
     parser.add_argument("--out", type=Path, default=Path("out/attention"), help="output directory")
 
@@ -113,85 +114,50 @@ def graph_us(calls: list, rep: int) -> float:
 
 
 def time_point(b, t, h, s, args, roof, device) -> dict:
-    from kdtree_engine.kernels import mla_attention as kernels
+    from kdtree_engine.attention import plan_attention
 
     kv_bytes = b * s * D * 2
     copies = max(1, min(32, -(-ROTATE_BYTES // kv_bytes)))
     problems = [make_problem(b, t, h, s, args.page_size, device, seed=i) for i in range(copies)]
     scale = 192**-0.5
 
-    def ours(p, config=None, num_splits=None, backend="auto"):
-        return lambda: kernels.tree_mla_attention(p["q"], p["kv"], p["lengths"], p["vis"], scale, D_C,
-                                                  p["block_table"], max_seqlen=s, config=config,
-                                                  num_splits=num_splits, backend=backend)  # fmt: skip
+    def ours(p, impl=None, validate=True):
+        plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=scale, d_v=D_C, visibility=p["vis"],
+                              block_table=p["block_table"], impl=impl, validate=validate)  # fmt: skip
+        return plan, lambda: plan.run(p["q"], p["kv"])
 
     flops, nbytes = work(b, t, h, s)
     row = {"h": h, "t": t, "s": s, "b": b, "copies": copies}
-    row["us"] = graph_us([ours(p) for p in problems], args.rep)
+    plans = [ours(p) for p in problems]
+    row["kernel"] = plans[0][0].kernel
+    row["us"] = graph_us([call for _, call in plans], args.rep)
     row.update(tflops=flops / row["us"] / 1e6, gbps=nbytes / row["us"] / 1e3)
-    p = problems[0]
-    row["backend"] = "sm90" if kernels._sm90_ok(p["q"], p["kv"], D_C, t * h) else "triton"
-    if row["backend"] == "sm90":  # the Triton-only kernel, same run: what the sm_90 path adds
-        row["triton_us"] = graph_us([ours(p, backend="triton") for p in problems], args.rep)
-        out, _ = ours(p)()
-        tri, _ = ours(p, backend="triton")()
+    row["device_planned_us"] = graph_us([ours(p, validate=False)[1] for p in problems], args.rep)
+    out, _ = plans[0][1]()
+    if row["kernel"] == "hopper":  # the Triton kernel, same run: what the Hopper kernel adds
+        row["triton_us"] = graph_us([ours(p, impl="triton")[1] for p in problems], args.rep)
+        tri, _ = ours(problems[0], impl="triton")[1]()
         row["max_err_vs_triton"] = float((out.float() - tri.float()).abs().max())
     floor_us = max(flops / roof["matmul_TFLOPs"] / 1e6, nbytes / roof["copy_GBps"] / 1e3)
     row["roof_pct"] = 100 * floor_us / row["us"]
     dense = args.page_size == 0
     if not args.no_naive and dense and copies * b * t * h * s * 12 < NAIVE_MAX_BYTES:
         p = problems[0]
-        out, _ = ours(p)()
         want = naive_attention(p["q"], p["kv"], p["vis"], scale)
         row["max_err_vs_naive"] = float((out.float() - want.float()).abs().max())
         naive = [lambda p=p: naive_attention(p["q"], p["kv"], p["vis"], scale) for p in problems]
         naive_us = graph_us(naive, args.rep)
         row.update(naive_us=naive_us, naive_tflops=flops / naive_us / 1e6, naive_gbps=nbytes / naive_us / 1e3)
         row["speedup"] = naive_us / row["us"]
-    if args.sweep:
-        row["variants"] = sweep_variants(problems, ours, row["us"], args.rep)
-    elif args.sm90_variants and kernels._sm90_ok(p["q"], p["kv"], D_C, t * h, "sched"):
-        names = ("sm90-roles", "sm90-pipe", "sm90-sched", "sm90-wide", "sm90-double", "triton")
-        row["variants"] = [
-            {"config": v, "us": round(graph_us([ours(p, backend=v) for p in problems], args.rep), 2)}
-            for v in names
-        ]
-        print(f"    sm90 variants: {row['variants']}", flush=True)
+    plans.clear()
     problems.clear()
     torch.cuda.empty_cache()
     return row
 
 
-CANDIDATES = [(64, 64, 8, 2), (16, 32, 4, 3), (16, 64, 4, 3), (32, 32, 4, 3)]  # (BM, BN, warps, stages)
-
-
-def sweep_variants(problems, ours, default_us: float, rep: int) -> list[dict]:
-    """Time each candidate config at its heuristic split count and at a few fixed split counts."""
-    from kdtree_engine.kernels import mla_attention as kernels
-
-    found = []
-    for cand, splits in itertools.product(CANDIDATES, [None, 4]):
-        cfg = kernels.Config(*cand)
-        try:
-            us = graph_us([ours(p, cfg, splits) for p in problems], max(20, rep // 4))
-        except Exception as exc:  # e.g. out of shared memory for this shape: record and move on
-            found.append({"config": list(cand), "splits": splits, "error": str(exc)[:120]})
-            continue
-        found.append({"config": list(cand), "splits": splits, "us": round(us, 2)})
-    p = problems[0]
-    if kernels._sm90_ok(p["q"], p["kv"], D_C, p["q"].shape[1] * p["q"].shape[2]):
-        variants = ("sm90-roles", "sm90-pipe", "sm90-sched", "sm90-double", "sm90-wide")
-        for variant, splits in itertools.product(variants, (None, 1, 2, 4, 8, 16)):
-            us = graph_us([ours(p, None, splits, variant) for p in problems], max(20, rep // 4))
-            found.append({"config": variant, "splits": splits, "us": round(us, 2)})
-    ranked = sorted((v for v in found if "us" in v), key=lambda v: v["us"])
-    print(f"    default {default_us:.1f} us; best: {ranked[:4]}", flush=True)
-    return found
-
-
 def markdown(rows: list[dict], roof: dict, header: str) -> str:
-    headers = ["h", "t", "s", "b", "kernel", "us", "TFLOP/s", "GB/s", "roof %", "Triton-only us",
-               "naive us", "naive TFLOP/s", "speedup"]  # fmt: skip
+    headers = ["h", "t", "s", "b", "kernel", "us", "TFLOP/s", "GB/s", "roof %", "device-planned us",
+               "Triton-only us", "naive us", "naive TFLOP/s", "speedup"]  # fmt: skip
     table = []
     for r in rows:
         tri = f"{r['triton_us']:.1f}" if "triton_us" in r else None
@@ -200,8 +166,9 @@ def markdown(rows: list[dict], roof: dict, header: str) -> str:
             if "naive_us" in r
             else [None] * 3
         )
-        ours = [f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.0f}"]
-        table.append([r["h"], r["t"], r["s"], r["b"], r.get("backend", "triton"), *ours, tri, *naive])
+        ours = [f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.0f}",
+                f"{r['device_planned_us']:.1f}"]  # fmt: skip
+        table.append([r["h"], r["t"], r["s"], r["b"], r["kernel"], *ours, tri, *naive])
     return (
         f"{header}\n\n{markdown_table(headers, table)}\n\n"
         f"Roofline measured in this run: copy {roof['copy_GBps']:.0f} GB/s, "
@@ -260,7 +227,8 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"h={h} t={t} s={s} b={b}: {r['us']:.1f} us {r['tflops']:.0f} TFLOP/s {r['gbps']:.0f} GB/s "
             f"roof {r['roof_pct']:.0f}% naive {r.get('naive_us', float('nan')):.1f} us "
-            f"speedup {r.get('speedup', float('nan')):.2f}x [{r['backend']}; Triton-only "
+            f"speedup {r.get('speedup', float('nan')):.2f}x [{r['kernel']}; device-planned "
+            f"{r['device_planned_us']:.1f} us; Triton-only "
             f"{r.get('triton_us', float('nan')):.1f} us, max diff {r.get('max_err_vs_triton', 0):.3g}]",
             flush=True,
         )

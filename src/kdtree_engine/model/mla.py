@@ -10,17 +10,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kdtree_engine import attention
-from kdtree_engine.attention import tree_mla_attention
+from kdtree_engine.attention import AttentionPlan, plan_attention
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.model.rope import apply_rope
 
 
-def attention_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the attention op runs in: the model's, or float32 where the op does not take it
-    (float64 models when the public op accepts only bf16 / fp16 / fp32)."""
-    accepted = getattr(attention, "DTYPES", None)
-    return dtype if accepted is None or dtype in accepted else torch.float32
+class ForwardAttention:
+    """One forward's attention, shared by every layer: the new tokens' lengths and mask, and the
+    attention plan, built at the first layer's call (validation, kernel choice, schedule) and reused
+    by the others.
+
+    start [b] int64 prefix lengths; t new tokens per request; visibility [b, t, t] bool among them."""
+
+    def __init__(
+        self, c: ModelConfig, start: torch.Tensor, t: int, visibility: torch.Tensor, impl: str | None
+    ):
+        self.c, self.start, self.t, self.visibility, self.impl = c, start, t, visibility, impl
+        self.plan: AttentionPlan | None = None
+
+    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+        """q [b, t, h, r + d_r], kv_layer [b, max_len, r + d_r] -> latent output [b, t, h, r]."""
+        if self.plan is None:
+            self.plan = plan_attention(q, kv_layer, self.start + self.t, softmax_scale=self.c.softmax_scale,
+                                       d_v=self.c.kv_lora_rank, visibility=self.visibility, impl=self.impl)  # fmt: skip
+        return self.plan.run(q, kv_layer)[0]
 
 
 class RMSNorm(nn.Module):
@@ -93,28 +106,17 @@ class MLAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_layer: torch.Tensor,
-        start: torch.Tensor,
-        visibility: torch.Tensor,
-        impl: str | None,
+        attn: ForwardAttention,
     ) -> torch.Tensor:
-        """x [b, t, hidden]; kv_layer [b, max_len, r + d_r] (written in place at start[b] + 0..t-1);
-        start [b] int64 prefix lengths; visibility [b, t, t] bool -> [b, t, hidden]."""
+        """x [b, t, hidden]; kv_layer [b, max_len, r + d_r] (written in place at start[b] + 0..t-1)
+        -> [b, t, hidden]."""
         b, t, _ = x.shape
-        slots = start[:, None] + torch.arange(t, device=x.device)  # [b, t]
+        slots = attn.start[:, None] + torch.arange(t, device=x.device)  # [b, t]
         kv_layer[torch.arange(b, device=x.device)[:, None], slots] = self.latent_rows(x, cos, sin).to(
             kv_layer.dtype
         )
-        adt = attention_dtype(kv_layer.dtype)
-        q = self.absorbed_query(x, cos, sin).to(adt)  # [b, t, h, r + d_r]
-        out, _ = tree_mla_attention(
-            q,
-            kv_layer.to(adt),
-            start + t,
-            softmax_scale=self.c.softmax_scale,
-            d_v=self.c.kv_lora_rank,
-            visibility=visibility,
-            impl=impl,
-        )  # [b, t, h, r]
+        q = self.absorbed_query(x, cos, sin).to(kv_layer.dtype)  # [b, t, h, r + d_r]
+        out = attn(q, kv_layer)  # [b, t, h, r]
         _, w_uv = self._w_uk_uv()
         v = torch.einsum("bthr,hdr->bthd", out.to(x.dtype), w_uv)  # [b, t, h, d_v]
         return self.o_proj(v.reshape(b, t, -1))

@@ -12,7 +12,7 @@ from torch import nn
 from kdtree_engine.model import rope
 from kdtree_engine.model.cache import LatentKVCache
 from kdtree_engine.model.config import ModelConfig
-from kdtree_engine.model.mla import MLAttention, RMSNorm
+from kdtree_engine.model.mla import ForwardAttention, MLAttention, RMSNorm
 from kdtree_engine.model.moe import MLP, MoE
 
 
@@ -33,8 +33,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_layer, start, visibility, impl) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, start, visibility, impl)
+    def forward(self, x, cos, sin, kv_layer, attn: ForwardAttention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -108,9 +108,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
+        attn = ForwardAttention(self.config, start, t, visibility, impl)
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.kv[i], start, visibility, impl)
+            x = layer(x, cos, sin, cache.kv[i], attn)
             captured[i] = x
         if logits_rows is not None:
             x = x[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]

@@ -1,0 +1,524 @@
+"""Tree-verify MLA attention for Hopper (sm_90) in Gluon: warpgroups with roles, TMA copies, and a
+balanced persistent schedule.
+
+One program per multiprocessor walks its units of the schedule (kernels/mla_attention_schedule.py:
+(row block, tile) units, 64 query rows x 64 cache slots, read from the device). Per row block it
+computes the whole attention of those rows over its tiles: tiles inside the prefix without a mask,
+the rest with the tree mask (visibility, ancestor bits or causal) and with the slots past the
+request's length zeroed. A row block covered by one program is written final; a cut one is written
+as float32 pieces (slot 2c for program c's first row block, 2c + 1 for its last) and merged by
+log-sum-exp afterwards (kernels/mla_attention_merge.py).
+
+The two warpgroups have roles (gl.warp_specialize), as in FlashMLA:
+- warpgroup 0 stages Q, computes the whole score tile S = Q K^T [64, 64] (a row never leaves its
+  warp, so the softmax needs no shared memory), runs the online softmax, hands P and the rescale
+  factors to warpgroup 1 through shared memory, and accumulates the first half of O (latent columns
+  0 .. d_c / 2);
+- warpgroup 1 accumulates the second half of O from the same P, so its tensor work on tile i
+  overlaps warpgroup 0's scores and softmax of tile i + 1.
+A tile is three TMA groups (rope columns, first and second latent half), each in two buffers with
+its own mbarriers, refilled two tiles ahead by the warpgroup that frees it.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
+
+from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem
+
+BLOCK_M = 64  # query rows per row block
+TILE = 64  # cache slots per tile
+MIN_ROWS = 17  # fewer query rows per request: the Triton kernel's 16-row blocks waste less
+SHAPES = ((512, 64),)  # (d_c, d_r) the kernel is built and tested for
+CAUSAL = gl.constexpr(MASK_CAUSAL)
+VISIBILITY = gl.constexpr(MASK_VISIBILITY)
+BM = gl.constexpr(BLOCK_M)
+BN = gl.constexpr(TILE)
+WORKER_REGS = gl.constexpr(192)  # warpgroup 1's registers per thread (O half: 128); warpgroup 0 gets the rest
+
+
+@functools.lru_cache(maxsize=16)
+def supported_device(device_index: int) -> bool:
+    """True on CUDA devices of compute capability 9.x (wgmma, TMA); the kernel is built for sm_90a."""
+    if device_index < 0 or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def serves(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool) -> bool:
+    """Whether this kernel can run the call: Hopper, bf16/fp16, (d_c, d_r) in SHAPES, at least MIN_ROWS
+    query rows per request, 16-byte aligned q and cache rows, and a cache TMA can read in 64-row boxes
+    (contiguous, and a paged cache's pages a multiple of 64 rows)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda:
+        return False
+    if (d_v, q.shape[-1] - d_v) not in SHAPES or q.shape[1] * q.shape[2] < MIN_ROWS:
+        return False
+    aligned = kv_cache.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
+    tma_boxes = kv_cache.is_contiguous() and (not paged or kv_cache.shape[1] % 64 == 0)
+    return aligned and tma_boxes and supported_device(q.get_device())
+
+
+def cache_desc(kv_cache: torch.Tensor) -> TensorDescriptor:
+    """TMA descriptor of the cache (bf16 or fp16) viewed as one [rows, d] matrix, in 64 x 64 boxes."""
+    d = kv_cache.shape[-1]
+    flat = kv_cache.view(-1, d)
+    dtype = gl.bfloat16 if kv_cache.dtype == torch.bfloat16 else gl.float16
+    box = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
+    return TensorDescriptor(flat, list(flat.shape), [d, 1], [64, 64], box)
+
+
+@aggregate
+class Consts:
+    """The kernel's compile-time parameters, as the partitions receive them (gl.warp_specialize passes
+    plain constexpr arguments on as runtime values)."""
+
+    D_C: gl.constexpr
+    D_R: gl.constexpr
+    PAGED: gl.constexpr
+    MASK_MODE: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, D_C, D_R, PAGED, MASK_MODE):
+        self.D_C = gl.constexpr(D_C)
+        self.D_R = gl.constexpr(D_R)
+        self.PAGED = gl.constexpr(PAGED)
+        self.MASK_MODE = gl.constexpr(MASK_MODE)
+
+
+@aggregate
+class Job:
+    """The launch's pointers, sizes and strides as both partitions get them, plus the schedule (NT
+    tiles per row block, this program's units u0 .. u1 - 1) and the program's index c."""
+
+    q_ptr: gl.tensor
+    desc: tma.tensor_descriptor
+    seqlens_ptr: gl.tensor
+    bt_ptr: gl.tensor
+    vis_ptr: gl.tensor
+    out_ptr: gl.tensor
+    lse_ptr: gl.tensor
+    part_ptr: gl.tensor
+    plse_ptr: gl.tensor
+    T: gl.tensor
+    H: gl.tensor
+    M: gl.tensor
+    MB: gl.tensor
+    NT: gl.tensor
+    u0: gl.tensor
+    u1: gl.tensor
+    c: gl.tensor
+    qk_scale: gl.tensor
+    cap: gl.tensor
+    page_size: gl.tensor
+    stride_qb: gl.tensor
+    stride_btb: gl.tensor
+    stride_vb: gl.tensor
+    stride_vi: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr, T, H,
+                 M, MB, NT, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb, stride_vb,
+                 stride_vi):  # fmt: skip
+        for name, value in list(locals().items()):
+            if name != "self":
+                setattr(self, name, value)
+
+
+@aggregate
+class Smem:
+    """The shared-memory buffers and mbarriers both partitions use."""
+
+    qc_smem: gl.shared_memory_descriptor  # Q's latent part [64, D_C]
+    qr_smem: gl.shared_memory_descriptor  # Q's rope part [64, D_R]
+    kc_smem: gl.shared_memory_descriptor  # the tile's latent part, two buffers [2, 64, D_C]
+    kr_smem: gl.shared_memory_descriptor  # the tile's rope part, two buffers [2, 64, D_R]
+    p_smem: gl.shared_memory_descriptor  # P [64, 64] from warpgroup 0
+    a_smem: gl.shared_memory_descriptor  # the rescale factors [64] of that P
+    l_smem: gl.shared_memory_descriptor  # a finished row block's row sums [64]
+    full_r: gl.shared_memory_descriptor  # TMA landed: rope group, per buffer
+    full_0: gl.shared_memory_descriptor  # first latent half
+    full_1: gl.shared_memory_descriptor  # second latent half
+    p_full: gl.shared_memory_descriptor  # P and alpha written (warpgroup 0 -> 1)
+    p_empty: gl.shared_memory_descriptor  # P and alpha read (warpgroup 1 -> 0)
+    l_full: gl.shared_memory_descriptor  # row sums written
+    l_empty: gl.shared_memory_descriptor  # row sums read
+
+    @gluon.constexpr_function
+    def __init__(self, qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem, full_r, full_0, full_1,
+                 p_full, p_empty, l_full, l_empty):  # fmt: skip
+        for name, value in list(locals().items()):
+            if name != "self":
+                setattr(self, name, value)
+
+
+@gluon.jit
+def _row_blocks(job):
+    """(first, count): this program's row blocks are first + count - 1 down to first (none when the
+    program has no units)."""
+    first = job.u0 // job.NT
+    count = (job.u1 - 1) // job.NT - first + 1
+    return first, gl.where(job.u0 < job.u1, count, 0)
+
+
+@gluon.jit
+def _block(job, rb, MASK_MODE: gl.constexpr):
+    """Row block rb of this program: (b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free). Its tiles
+    in this program are v_lo .. v_hi - 1, those holding slots a row may see v_lo .. v_end - 1; tiles
+    below n_free lie wholly inside the prefix (no mask). Causal: no row sees past its block's last node."""
+    b = rb // job.MB
+    blk = rb - b * job.MB
+    v_lo = gl.maximum(job.u0 - rb * job.NT, 0)
+    v_hi = gl.minimum(job.u1 - rb * job.NT, job.NT)
+    seqlen = gl.load(job.seqlens_ptr + b).to(gl.int32)
+    prefix = seqlen - job.T
+    seen = seqlen
+    if MASK_MODE == CAUSAL:
+        seen = prefix + gl.minimum((blk * BM + BM - 1) // job.H, job.T - 1) + 1
+    v_end = gl.minimum(v_hi, gl.cdiv(seen, BN))
+    return b, blk, v_lo, v_hi, v_end, seqlen, prefix, prefix // BN
+
+
+@gluon.jit
+def _store_block(job, acc, m_i, l_i, b, blk, rb, v_lo, v_hi, col0, D_C: gl.constexpr, o_layout: gl.constexpr,
+                 s_layout: gl.constexpr, WITH_LSE: gl.constexpr):  # fmt: skip
+    """Row block rb's columns col0 .. of O (and its lse, WITH_LSE): final when this program covers the
+    whole block, else as a float32 piece in slot 2c (the program's first row block) or 2c + 1 (its
+    last), addressed so that piece row r holds block row blk * BM + r."""
+    if (v_lo == 0) & (v_hi == job.NT):
+        o_ptr = job.out_ptr + b.to(gl.int64) * job.M * D_C
+        _store_cols(acc, l_i, o_ptr, blk, job.M, col0, D_C, o_layout)
+        if WITH_LSE:
+            _store_lse(m_i, l_i, job.lse_ptr + b.to(gl.int64) * job.M, blk, job.M, s_layout)
+    else:
+        slot = 2 * job.c + (rb != job.u0 // job.NT).to(gl.int32)
+        shift = (slot - blk).to(gl.int64) * BM
+        _store_cols(acc, l_i, job.part_ptr + shift * D_C, blk, job.M, col0, D_C, o_layout)
+        if WITH_LSE:
+            _store_lse(m_i, l_i, job.plse_ptr + shift, blk, job.M, s_layout)
+
+
+@gluon.jit
+def _tree_mask(s, job, b, rows, pos, prefix, seqlen, MASK_MODE: gl.constexpr):
+    """Scores s [BM, BN] of a tile that reaches the tree or the end of the request, -inf where not
+    visible: slots past seqlen, and tree slots j = pos - prefix that row (node rows // H) does not see."""
+    j = pos - prefix  # [BN]
+    node = rows // job.H  # [BM]
+    row_ok = rows < job.M
+    ok = row_ok[:, None] & ((j >= 0) & (pos < seqlen))[None, :]
+    if MASK_MODE == VISIBILITY:
+        ptrs = job.vis_ptr + b.to(gl.int64) * job.stride_vb + node[:, None] * job.stride_vi + j[None, :]
+        tree = ok & (gl.load(ptrs, mask=ok, other=0) != 0)
+    elif MASK_MODE == CAUSAL:
+        tree = ok & (j[None, :] <= node[:, None])
+    else:
+        bits = gl.load(job.vis_ptr + b.to(gl.int64) * job.stride_vb + node, mask=row_ok, other=0)
+        shift = gl.minimum(gl.maximum(j, 0), 63).to(gl.int64)
+        tree = ok & (((bits[:, None] >> shift[None, :]) & 1) != 0)
+    return gl.where(tree | (j < 0)[None, :], s, float("-inf"))
+
+
+@gluon.jit
+def _cache_row(job, b, pos, seqlen, PAGED: gl.constexpr):
+    """Row of the cache viewed as [rows, D] (the TMA descriptor) holding position pos of request b
+    (the first of 64 rows in one page); positions past seqlen are clamped to its last 64-row tile, so
+    a paged cache's block table is never read past the request (those rows are zeroed after landing)."""
+    pos = gl.minimum(pos, gl.maximum((seqlen - 1) // 64 * 64, 0))
+    if PAGED:
+        page = gl.load(job.bt_ptr + b * job.stride_btb + pos // job.page_size)
+        return page * job.page_size + pos % job.page_size
+    return b * job.cap + pos
+
+
+@gluon.jit
+def _zero_rows(buf, first, limit, LD: gl.constexpr):
+    """Zeroes the rows of buf [BN, W] whose cache position first + r is at or past limit (64 columns
+    at a time), so that 0 * (NaN or Inf of an unused slot) cannot reach P V."""
+    for c in gl.static_range(buf.shape[1] // 64):
+        chunk = buf.slice(c * 64, 64, dim=1)
+        x = chunk.load(LD)
+        r = first + gl.arange(0, buf.shape[0], gl.SliceLayout(1, LD))
+        chunk.store(gl.where((r < limit)[:, None], x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _store_cols(acc, l_i, o_ptr, blk, M, col0, D_C: gl.constexpr, o_layout: gl.constexpr):
+    """acc [BM, W] / l_i -> columns col0 .. col0 + W of rows blk * BM .. of o_ptr [M, D_C]."""
+    W: gl.constexpr = acc.shape[1]
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / gl.where(l_o > 0, l_o, 1.0)[:, None]
+    rows_o = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, o_layout))
+    cols_o = col0 + gl.arange(0, W, gl.SliceLayout(0, o_layout))
+    o_ptrs = o_ptr + rows_o.to(gl.int64)[:, None] * D_C + cols_o[None, :]
+    gl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=(rows_o < M)[:, None] & (cols_o >= 0)[None, :])
+
+
+@gluon.jit
+def _store_lse(m_i, l_i, lse_ptr, blk, M, s_layout: gl.constexpr):
+    """The rows' log-sum-exp (natural log; -inf for rows that saw no slot)."""
+    seen = l_i > 0
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    rows_s = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+    gl.store(lse_ptr + rows_s, lse, mask=rows_s < M)
+
+
+@gluon.jit
+def _issue_group(job, bars, bufs, g, i, n, v_lo, b, seqlen, CH0: gl.constexpr, NCH: gl.constexpr,
+                 D_C: gl.constexpr, PAGED: gl.constexpr):  # fmt: skip
+    """TMA of one group of the row block's local tile i (program tile g), if the block has that tile
+    (i < n): cache columns CH0 * 64 .. (CH0 + NCH) * 64 of the tile's 64 rows into the same columns of
+    buffer g % 2 of bufs (the rope buffers take CH0 = D_C / 64 into their columns 0 ..); bar g % 2
+    completes when the group has landed."""
+    row = _cache_row(job, b, (v_lo + i) * BN, seqlen, PAGED)
+    bar = bars.index(g % 2)
+    dst = bufs.index(g % 2)
+    pred = i < n
+    mbarrier.expect(bar, NCH * 64 * 64 * 2, pred=pred)
+    for k in gl.static_range(NCH):
+        chunk = dst.slice((CH0 + k) * 64 % D_C, 64, dim=1)
+        tma.async_copy_global_to_shared(job.desc, [row, (CH0 + k) * 64], bar, chunk, pred=pred)
+
+
+@gluon.jit
+def _stage_q(job, sm, b, blk, D_C: gl.constexpr, D_R: gl.constexpr, ld: gl.constexpr):
+    """Q of row block blk (rows past M are zeros) into shared memory, 64 columns at a time."""
+    rows_q = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, ld))
+    cols_q = gl.arange(0, 64, gl.SliceLayout(0, ld))
+    q_rows = job.q_ptr + b.to(gl.int64) * job.stride_qb + rows_q.to(gl.int64)[:, None] * (D_C + D_R)
+    q_base = q_rows + cols_q[None, :]
+    q_ok = (rows_q < job.M)[:, None] & (cols_q >= 0)[None, :]
+    sm.qr_smem.store(gl.load(q_base + D_C, mask=q_ok, other=0.0))
+    for k in gl.static_range(D_C // 64):
+        sm.qc_smem.slice(k * 64, 64, dim=1).store(gl.load(q_base + k * 64, mask=q_ok, other=0.0))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _wg0(job, sm, cst):
+    """Warpgroup 0: Q, scores, softmax, P for warpgroup 1, and O's first latent half."""
+    D_C: gl.constexpr = cst.D_C
+    D_R: gl.constexpr = cst.D_R
+    PAGED: gl.constexpr = cst.PAGED
+    MASK_MODE: gl.constexpr = cst.MASK_MODE
+    HALF: gl.constexpr = D_C // 2
+    dtype: gl.constexpr = job.q_ptr.dtype.element_ty
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BN, 16])  # fmt: skip
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])  # fmt: skip
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    s_zero = gl.zeros([BM, BN], gl.float32, s_layout)
+    cols = gl.arange(0, BN, gl.SliceLayout(0, s_layout))
+
+    g = 0  # tiles this program has started (program-wide: buffer g % 2, phase (g // 2) % 2)
+    rb_first, count = _row_blocks(job)
+    for j in range(count):  # row blocks last first: each program starts at tile 0 of a row block
+        rb = rb_first + count - 1 - j
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb, MASK_MODE)
+        n = gl.maximum(v_end - v_lo, 0)
+        for i in gl.static_range(2):  # the first two tiles' groups of this partition
+            _issue_group(job, sm.full_r, sm.kr_smem, g + i, i, n, v_lo, b, seqlen, D_C // 64, 1, D_C, PAGED)
+            _issue_group(job, sm.full_0, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, 0, HALF // 64, D_C, PAGED)
+        _stage_q(job, sm, b, blk, D_C, D_R, ld)
+
+        rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BM, HALF], gl.float32, o_layout)
+        m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+        for i in range(n):
+            v = v_lo + i
+            buf = g % 2
+            phase = (g // 2) & 1
+            if v * BN + BN > seqlen:  # the request's last tile: zero the rows past its end
+                mbarrier.wait(sm.full_r.index(buf), phase)
+                mbarrier.wait(sm.full_0.index(buf), phase)
+                mbarrier.wait(sm.full_1.index(buf), phase)
+                _zero_rows(sm.kr_smem.index(buf), v * BN, seqlen, ld)
+                _zero_rows(sm.kc_smem.index(buf), v * BN, seqlen, ld)
+                fence_async_shared()
+                gl.thread_barrier()
+            kc_lo = sm.kc_smem.index(buf).slice(0, HALF, dim=1)
+            kc_hi = sm.kc_smem.index(buf).slice(HALF, HALF, dim=1)
+            mbarrier.wait(sm.full_r.index(buf), phase)
+            kr = sm.kr_smem.index(buf)
+            s = warpgroup_mma(sm.qr_smem, kr.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(sm.full_0.index(buf), phase)
+            s = warpgroup_mma(sm.qc_smem.slice(0, HALF, dim=1), kc_lo.permute((1, 0)), s, is_async=True)
+            mbarrier.wait(sm.full_1.index(buf), phase)
+            s = warpgroup_mma(sm.qc_smem.slice(HALF, HALF, dim=1), kc_hi.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            gl.thread_barrier()  # every warp is past this tile's scores: its rope buffer is free
+            _issue_group(
+                job, sm.full_r, sm.kr_smem, g + 2, i + 2, n, v_lo, b, seqlen, D_C // 64, 1, D_C, PAGED
+            )
+            if v >= n_free:
+                s = _tree_mask(s, job, b, rows, v * BN + cols, prefix, seqlen, MASK_MODE)
+            s = s * job.qk_scale
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            mbarrier.wait(sm.p_empty, (g - 1) & 1, pred=g > 0)  # warpgroup 1 is done with the previous P
+            sm.p_smem.store(p.to(dtype))
+            sm.a_smem.store(alpha)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(sm.p_full)
+            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+            acc = warpgroup_mma(sm.p_smem, kc_lo, acc * alpha_o[:, None], is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()  # every warp is done with this tile's first half
+            _issue_group(
+                job, sm.full_0, sm.kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, 0, HALF // 64, D_C, PAGED
+            )
+            g += 1
+        # the row sums for warpgroup 1's half of O
+        mbarrier.wait(sm.l_empty, (j - 1) & 1, pred=j > 0)
+        sm.l_smem.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(sm.l_full)
+        _store_block(job, acc, m_i, l_i, b, blk, rb, v_lo, v_hi, 0, D_C, o_layout, s_layout, True)
+
+
+@gluon.jit
+def _wg1(job, sm, cst):
+    """Warpgroup 1: O's second latent half from warpgroup 0's P, and its copies of that half."""
+    D_C: gl.constexpr = cst.D_C
+    PAGED: gl.constexpr = cst.PAGED
+    HALF: gl.constexpr = D_C // 2
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])  # fmt: skip
+    g = 0
+    rb_first, count = _row_blocks(job)
+    for j in range(count):
+        rb = rb_first + count - 1 - j
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb, cst.MASK_MODE)
+        n = gl.maximum(v_end - v_lo, 0)
+        for i in gl.static_range(2):
+            _issue_group(job, sm.full_1, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, HALF // 64, HALF // 64, D_C,
+                         PAGED)  # fmt: skip
+        acc = gl.zeros([BM, HALF], gl.float32, o_layout)
+        for i in range(n):
+            buf = g % 2
+            mbarrier.wait(sm.p_full, g & 1)
+            mbarrier.wait(sm.full_1.index(buf), (g // 2) & 1)
+            alpha = sm.a_smem.load(gl.SliceLayout(1, o_layout))
+            kc_hi = sm.kc_smem.index(buf).slice(HALF, HALF, dim=1)
+            acc = warpgroup_mma(sm.p_smem, kc_hi, acc * alpha[:, None], is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            gl.thread_barrier()  # every warp is done with P, alpha and this tile's second half
+            mbarrier.arrive(sm.p_empty)
+            _issue_group(job, sm.full_1, sm.kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, HALF // 64, HALF // 64,
+                         D_C, PAGED)  # fmt: skip
+            g += 1
+        mbarrier.wait(sm.l_full, j & 1)
+        l_i = sm.l_smem.load(gl.SliceLayout(1, o_layout))
+        gl.thread_barrier()
+        mbarrier.arrive(sm.l_empty)
+        _store_block(job, acc, l_i, l_i, b, blk, rb, v_lo, v_hi, HALF, D_C, o_layout, o_layout, False)
+
+
+@gluon.jit
+def _attention_kernel(
+    q_ptr,  # [b, M, D_C + D_R] (M = t * h rows, row = node * h + head)
+    desc,  # TMA descriptor of the cache viewed as [rows, D_C + D_R], boxes of 64 x 64
+    seqlens_ptr,  # [b] int
+    bt_ptr,  # block table [b, pages] (paged) or unused
+    vis_ptr,  # visibility [b, t, t] uint8, ancestor bits [b, t] int64, or unused (causal)
+    out_ptr,  # [b, M, D_C] in q's dtype: the row blocks one program covers whole
+    lse_ptr,  # [b, M] float32
+    part_ptr,  # [2 * programs, BM, D_C] float32: the pieces of cut row blocks
+    plse_ptr,  # [2 * programs, BM] float32
+    sched_ptr,  # int32 [4]: NT, PER, units, programs (mla_attention_schedule)
+    T,
+    H,
+    M,
+    MB,  # row blocks per request
+    qk_scale,  # softmax scale * log2(e)
+    cap,  # rows per request of a contiguous cache
+    page_size,
+    stride_qb,
+    stride_btb,
+    stride_vb,
+    stride_vi,
+    D_C: gl.constexpr,
+    D_R: gl.constexpr,
+    PAGED: gl.constexpr,
+    MASK_MODE: gl.constexpr,
+    num_warps: gl.constexpr,  # 4: warpgroup 0; warpgroup 1 is the worker partition
+):
+    c = gl.program_id(0)
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    nt = gl.load(sched_ptr)
+    per = gl.load(sched_ptr + 1)
+    u0 = c * per
+    u1 = gl.minimum(u0 + per, gl.load(sched_ptr + 2))
+    qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_C], dtype)
+    qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_R], dtype)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
+    vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    qc_smem = gl.allocate_shared_memory(dtype, [BM, D_C], qc_sl)
+    qr_smem = gl.allocate_shared_memory(dtype, [BM, D_R], qr_sl)
+    kc_smem = gl.allocate_shared_memory(dtype, [2, BN, D_C], qc_sl)
+    kr_smem = gl.allocate_shared_memory(dtype, [2, BN, D_R], qr_sl)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], p_sl)
+    a_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_sl)
+    l_smem = gl.allocate_shared_memory(gl.float32, [BM], vec_sl)
+    full_r = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    full_0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    full_1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for k in gl.static_range(2):
+        mbarrier.init(full_r.index(k), count=1)
+        mbarrier.init(full_0.index(k), count=1)
+        mbarrier.init(full_1.index(k), count=1)
+    for k in gl.static_range(4):
+        mbarrier.init(sync.index(k), count=1)
+    # (scalars as tensors: the JIT passes an int argument equal to 1 as a constexpr)
+    job = Job(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr,
+              gl.to_tensor(T), gl.to_tensor(H), gl.to_tensor(M), gl.to_tensor(MB), nt, u0, u1, c,
+              gl.to_tensor(qk_scale), gl.to_tensor(cap), gl.to_tensor(page_size), gl.to_tensor(stride_qb),
+              gl.to_tensor(stride_btb), gl.to_tensor(stride_vb), gl.to_tensor(stride_vi))  # fmt: skip
+    sm = Smem(qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem, full_r, full_0, full_1,
+              sync.index(0), sync.index(1), sync.index(2), sync.index(3))  # fmt: skip
+    args = (job, sm, Consts(D_C, D_R, PAGED, MASK_MODE))
+    gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WORKER_REGS])
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One forward's launch of the kernel: the grid (programs), the schedule on the device, the piece
+    workspace, and whether the merge must run (False only when the plan knew no row block is cut)."""
+
+    programs: int
+    sched: torch.Tensor  # int32 [4]
+    part: torch.Tensor  # [2 * programs, BLOCK_M, d_c] float32
+    plse: torch.Tensor  # [2 * programs, BLOCK_M] float32
+    merge: bool
+    max_pieces: int
+
+
+def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
+    """out [b, t, h, d_c], lse [b, t, h] <- the attention of q [b, t, h, d] over kv_cache, with the
+    cut row blocks' pieces in the launch's workspace (merged by the caller)."""
+    page_size = kv_cache.shape[1] if p.paged else 1
+    _attention_kernel[(launch.programs,)](
+        q, cache_desc(kv_cache), p.seqlens, p.table, p.mask.tensor, out, lse, launch.part, launch.plse,
+        launch.sched, p.t, p.h, p.rows, -(-p.rows // BLOCK_M), p.qk_scale, kv_cache.shape[1], page_size,
+        q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
+        D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode, num_warps=4,
+    )  # fmt: skip

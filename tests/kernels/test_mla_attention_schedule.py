@@ -1,0 +1,152 @@
+"""The Hopper kernel's schedule and the merge of its pieces, on the CPU.
+
+The Gluon kernel runs only on Hopper (its numerics: test_mla_attention.py, gpu marker; its build:
+test_mla_attention_hopper_compile.py). Here: the device schedule (Triton interpreter in CI) equals the
+Python specification, and a torch emulation writes exactly what each program of a schedule writes (a
+final row block, or float32 piece 2c / 2c + 1 of a cut one, lse -inf for a program with no tile of
+it, NaN in every slot nobody writes), which the real merge kernel must turn into the reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_mla_attention import assert_close, make_inputs  # same folder (no package)
+
+from kdtree_engine.kernels import mla_attention_schedule as sched
+from kdtree_engine.kernels.mla_attention_merge import merge_pieces
+from kdtree_engine.ref import mla_attention as ref
+
+BN = 8  # tile slots of the emulation (the kernel's 64, shrunk to keep shapes small)
+BM = 64  # query rows per row block, as the kernel
+
+
+def partial_attention(q, kv, length, vis, scale, d_c, lo, hi):
+    """Rows [t*h] of one request over cache slots lo .. hi - 1 (tree mask on the last t): (out, lse)."""
+    t, h, _ = q.shape
+    hi = min(hi, length)
+    if hi <= lo:
+        nothing = torch.full((t * h,), float("-inf"), dtype=torch.float64)
+        return torch.zeros(t * h, d_c, dtype=torch.float64), nothing
+    pos = torch.arange(lo, hi)
+    j = pos - (length - t)
+    allowed = (j < 0)[None, :] | vis[:, j.clamp(min=0)] & (j >= 0)[None, :]  # [t, s]
+    scores = torch.einsum("thd,sd->ths", q.double(), kv[lo:hi].double()) * scale
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf")).reshape(t * h, -1)
+    lse = torch.logsumexp(scores, -1)
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    return p @ kv[lo:hi, :d_c].double(), lse
+
+
+def emulate(q, kv, lengths, vis, scale, d_c, blocks, s: sched.Schedule, grid: int):
+    """What the kernel's `grid` programs write under schedule s: (out, lse, part, plse)."""
+    b, t, h, _ = q.shape
+    rows = t * h
+    out = torch.full((b, rows, d_c), float("nan"))
+    lse = torch.full((b, rows), float("nan"))
+    part = torch.full((2 * grid, BM, d_c), float("nan"))
+    plse = torch.full((2 * grid, BM), float("nan"))
+    for c in range(grid):
+        u0, u1 = c * s.per, min(c * s.per + s.per, s.units)
+        if u0 >= u1:
+            continue  # a program with no units writes nothing
+        for rb in range(u0 // s.tiles, (u1 - 1) // s.tiles + 1):
+            r, blk = divmod(rb, blocks)
+            v_lo, v_hi = max(u0 - rb * s.tiles, 0), min(u1 - rb * s.tiles, s.tiles)
+            o, l = partial_attention(q[r], kv[r], int(lengths[r]), vis[r], scale, d_c, v_lo * BN, v_hi * BN)
+            lo, hi = blk * BM, min((blk + 1) * BM, rows)
+            if v_lo == 0 and v_hi == s.tiles:
+                out[r, lo:hi], lse[r, lo:hi] = o[lo:hi].float(), l[lo:hi].float()
+            else:
+                slot = 2 * c + (rb != u0 // s.tiles)
+                part[slot, : hi - lo], plse[slot, : hi - lo] = o[lo:hi].float(), l[lo:hi].float()
+    return out, lse, part, plse
+
+
+@pytest.mark.parametrize(
+    "b,t,h,prefixes,forced,sms",
+    [
+        (3, 9, 16, [0, 40, 17], 0, 4),  # balanced over 4 programs: blocks cut mid-way
+        (2, 5, 32, [70, 3], 0, 132),  # more programs than work: per = MIN_TILES
+        (2, 9, 8, [30, 60], 2, 0),  # each block in 2 runs
+        (1, 33, 4, [100], 5, 0),  # runs spanning block edges (per does not divide tiles)
+        (4, 2, 64, [5, 9, 0, 33], 0, 1),  # one program: whole blocks, no merge
+        (2, 9, 8, [150, 23], 0, 13),  # aligned: both row blocks of a request cut at the same tiles
+        (5, 5, 16, [61, 200, 0, 7, 120], 0, 11),  # aligned, one run per row block: whole blocks
+        (1, 2, 32, [200], 0, 13),  # one row block in 7 runs: the merge reads its pieces in several rounds
+        (2, 2, 32, [200, 60], 0, 13),  # the same, the second request's runs past its end empty
+    ],
+)
+@pytest.mark.parametrize("spare", [0, 3])  # programs past the schedule's (a captured grid): no work
+def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare):
+    gen = torch.Generator().manual_seed(b * 100 + t)
+    q, kv, lengths, vis, _, _ = make_inputs(b, t, h, 24, 8, prefixes, torch.float32, None, "random", gen)
+    kv = kv.nan_to_num(0.0)  # slots past the lengths are never part of a run here
+    d_c, scale, rows = 24, 0.3, t * h
+    blocks = -(-rows // BM)
+    s = sched.schedule(b, blocks, -(-int(lengths.max()) // BN), sms, forced)
+    assert (s.programs - 1) * s.per < s.units <= s.programs * s.per
+    grid = s.programs + spare
+    out, lse, part, plse = emulate(q, kv, lengths, vis, scale, d_c, blocks, s, grid)
+    assert s.cuts() or not out.isnan().any()
+    device_sched = sched.device_schedule(lengths.to(torch.int32), blocks, sms, BN, forced)
+    assert tuple(device_sched.tolist()) == tuple(s)
+    merge_pieces(
+        part, plse, out, lse, device_sched, rows, blocks, BM, sched.max_pieces(b, blocks, sms, forced)
+    )
+    want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c)
+    assert_close("out", out.view(b, t, h, d_c), want_out, 1e-4)
+    assert_close("lse", lse.view(b, t, h), want_lse, 1e-4)
+
+
+def test_device_schedule_equals_the_specification():
+    """Random batches, row blocks, chip sizes and forced cuts: the device kernel's numbers are the
+    Python schedule's, and no row block meets more programs than max_pieces says."""
+    rng = random.Random(0)
+    for _ in range(60):
+        b, blocks = rng.choice([1, 2, 3, 16, 64]), rng.choice([1, 2, 3, 9, 33])
+        sms, forced = rng.choice([1, 4, 11, 13, 132]), rng.choice([0, 0, 0, 2, 5])
+        lengths = torch.randint(1, rng.choice([100, 5000, 40000]), (b,))
+        want = sched.schedule(b, blocks, -(-int(lengths.max()) // 64), sms, forced)
+        assert tuple(sched.device_schedule(lengths, blocks, sms, 64, forced).tolist()) == tuple(want)
+        most = max(((rb * want.tiles + want.tiles - 1) // want.per) - (rb * want.tiles) // want.per + 1
+                    for rb in range(b * blocks))  # fmt: skip
+        assert most <= sched.max_pieces(b, blocks, sms, forced)
+        assert want.programs <= (b * blocks * forced if forced else sms)
+
+
+def test_schedule_is_balanced():
+    # Kimi verify at b = 16, t = 9, h = 64, s = 4k on 132 multiprocessors: 144 row blocks of 33 tiles
+    s = sched.schedule(16, 9, 33, 132)
+    assert s.programs <= 132 and s.per == -(-16 * 9 * 33 // 132) and s.cuts() and s.tiles == 33
+    # many row blocks per program: whole blocks, no pieces
+    s = sched.schedule(64, 33, 2, 132)
+    assert s.per % 2 == 0 and not s.cuts() and s.programs <= 132 and s.tiles == 2
+
+
+@pytest.mark.parametrize(
+    "b,blocks,tiles,want",
+    [
+        (16, 2, 513, (516, 129, 16 * 2 * 516, 128)),  # h = 8, t = 9, s = 32k: 4 runs per row block
+        (16, 2, 65, (68, 17, 16 * 2 * 68, 128)),  # s = 4k (balanced: 16 tiles per program)
+        (64, 2, 513, (513, 513, 64 * 2 * 513, 128)),  # one run: whole row blocks, no merge
+        (1, 9, 513, (518, 37, 9 * 518, 126)),  # h = 64, t = 9, b = 1 (balanced: 35)
+    ],
+)
+def test_schedule_aligns_the_row_blocks_of_a_request(b, blocks, tiles, want):
+    s = sched.schedule(b, blocks, tiles, 132)
+    assert tuple(s) == want
+    # runs start at the same tile in every row block: program c covers tiles (c % runs) * per onwards
+    assert s.tiles % s.per == 0 and s.programs == b * blocks * (s.tiles // s.per)
+
+
+@pytest.mark.parametrize("b,blocks,tiles", [(16, 2, 513), (16, 3, 200), (16, 9, 33), (40, 2, 100)])
+def test_schedule_aligns_only_within_its_slack(b, blocks, tiles, monkeypatch):
+    balanced_per = max(-(-b * blocks * tiles // 132), min(tiles, sched.MIN_TILES))
+    s = sched.schedule(b, blocks, tiles, 132)
+    num, den = sched.ALIGN_SLACK
+    assert s.programs <= 132 and s.per * den <= balanced_per * num
+    monkeypatch.setattr(sched, "ALIGN_SLACK", (0, 1))  # never aligned: the plain balanced cut
+    s = sched.schedule(b, blocks, tiles, 132)
+    assert s.tiles == tiles and s.per == balanced_per
