@@ -162,7 +162,8 @@ def _plan_hopper(p: Problem, device: torch.device, max_seqlen: int | None, force
     part = torch.empty(2 * programs, hopper.BLOCK_M, p.d_v, dtype=torch.float32, device=device)
     plse = torch.empty(2 * programs, hopper.BLOCK_M, dtype=torch.float32, device=device)
     pieces = schedule.max_pieces(p.b, blocks, sms, forced)
-    return hopper.Launch(programs, sched, part, plse, merge, pieces)
+    cut = schedule.cut_blocks(p.b, blocks, programs, forced)
+    return hopper.Launch(programs, sched, part, plse, merge, cut, pieces)
 
 
 def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
@@ -175,7 +176,7 @@ def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
     if launch.merge:
         blocks = -(-p.rows // hopper.BLOCK_M)
         merge_pieces(launch.part, launch.plse, out, lse, launch.sched, p.rows, blocks, hopper.BLOCK_M,
-                     launch.max_pieces)  # fmt: skip
+                     launch.cut_blocks, launch.max_pieces)  # fmt: skip
 
 
 def _plan_triton(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, num_splits: int | None):

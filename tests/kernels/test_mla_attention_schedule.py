@@ -92,9 +92,8 @@ def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare):
     assert s.cuts() or not out.isnan().any()
     device_sched = sched.device_schedule(lengths.to(torch.int32), blocks, sms, BN, forced)
     assert tuple(device_sched.tolist()) == tuple(s)
-    merge_pieces(
-        part, plse, out, lse, device_sched, rows, blocks, BM, sched.max_pieces(b, blocks, sms, forced)
-    )
+    cut = sched.cut_blocks(b, blocks, grid, forced)
+    merge_pieces(part, plse, out, lse, device_sched, rows, blocks, BM, cut, sched.max_pieces(b, blocks, sms, forced))
     want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c)
     assert_close("out", out.view(b, t, h, d_c), want_out, 1e-4)
     assert_close("lse", lse.view(b, t, h), want_lse, 1e-4)
@@ -110,9 +109,12 @@ def test_device_schedule_equals_the_specification():
         lengths = torch.randint(1, rng.choice([100, 5000, 40000]), (b,))
         want = sched.schedule(b, blocks, -(-int(lengths.max()) // 64), sms, forced)
         assert tuple(sched.device_schedule(lengths, blocks, sms, 64, forced).tolist()) == tuple(want)
-        most = max(((rb * want.tiles + want.tiles - 1) // want.per) - (rb * want.tiles) // want.per + 1
-                    for rb in range(b * blocks))  # fmt: skip
-        assert most <= sched.max_pieces(b, blocks, sms, forced)
+        pieces = [((rb * want.tiles + want.tiles - 1) // want.per) - (rb * want.tiles) // want.per + 1
+                  for rb in range(b * blocks)]  # fmt: skip
+        assert max(pieces) <= sched.max_pieces(b, blocks, sms, forced)
+        cut = sum(n > 1 for n in pieces)
+        assert cut <= sched.cut_blocks(b, blocks, want.programs, forced)
+        assert cut <= sched.cut_blocks(b, blocks, b * blocks * forced if forced else sms, forced)
         assert want.programs <= (b * blocks * forced if forced else sms)
 
 

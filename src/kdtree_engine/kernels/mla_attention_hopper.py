@@ -509,7 +509,8 @@ class Launch:
     part: torch.Tensor  # [2 * programs, BLOCK_M, d_c] float32
     plse: torch.Tensor  # [2 * programs, BLOCK_M] float32
     merge: bool
-    max_pieces: int
+    cut_blocks: int  # a bound on the row blocks the schedule cuts (the merge's grid)
+    max_pieces: int  # a bound on one row block's pieces
 
 
 def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:

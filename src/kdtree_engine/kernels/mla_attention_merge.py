@@ -6,7 +6,8 @@ Two layouts, one fold:
 - scheduled (the Hopper kernel): program c of the schedule writes at most two float32 pieces, slot
   2c for the first row block it meets and 2c + 1 for its last, each [BM, d_c] (plse [BM]); a row
   block is cut iff a program boundary falls strictly inside it, and then its pieces are the slots of
-  the programs that met it. The schedule (NT tiles per row block, PER tiles per program, units) is
+  the programs that met it. At most min(row blocks, programs - 1) row blocks are cut (fewer tiles
+  per program than per row block needs fewer row blocks than programs), which sizes the grid. The schedule (NT tiles per row block, PER tiles per program, units) is
   read from the device, so the merge needs no host value of the lengths.
 Pieces are read BLOCK_S at a time, each group's lse and partials in one round of loads, folded in
 online. A piece that saw nothing has lse -inf; its weight 0 is applied with a select, so NaN in its
@@ -81,15 +82,16 @@ def _merge_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, M, num_splits, st
 def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, M, MB, D_C: tl.constexpr,
                          BLOCK_DC: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_S: tl.constexpr):  # fmt: skip
-    """Program (k, r): rows r * BLOCK_R .. of the row block that program boundary k cuts, if k is the
-    first boundary inside it (each cut row block is merged once)."""
-    k = tl.program_id(0)
+    """Program (j, r): rows r * BLOCK_R .. of the j-th row block that may be cut. With fewer tiles per
+    program than per row block (PER < NT) every row block is cut: j is the row block; otherwise a row
+    block holds at most one program boundary: j is the boundary, and cuts the block it falls inside."""
+    j = tl.program_id(0)
     nt = tl.load(sched_ptr)
     per = tl.load(sched_ptr + 1)
     n_units = tl.load(sched_ptr + 2)
-    at = (k + 1) * per  # the first unit of program k + 1
-    rb = at // nt
-    if (at < n_units) & (at % nt != 0) & (k * per <= rb * nt):
+    at = (j + 1) * per  # the first unit of program j + 1
+    rb = tl.where(per < nt, j, at // nt)
+    if (per < nt) | ((at < n_units) & (at % nt != 0)):
         c0 = (rb * nt) // per
         n = (rb * nt + nt - 1) // per - c0 + 1  # programs that met row block rb: its pieces
         b = rb // MB
@@ -134,13 +136,15 @@ def merge_splits(part: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, lse:
     )  # fmt: skip
 
 
-def merge_pieces(part, plse, out, lse, sched, rows: int, blocks: int, block_m: int, max_pieces: int) -> None:
+def merge_pieces(part, plse, out, lse, sched, rows: int, blocks: int, block_m: int, cut_blocks: int,
+                 max_pieces: int) -> None:  # fmt: skip
     """The scheduled layout: part [2 * programs, block_m, d_c] float32, plse [2 * programs, block_m],
     sched int32 [>= 3] (NT, PER, units) on the device; out [b, rows, d_c], lse [b, rows] get the cut
-    row blocks (blocks per request). max_pieces bounds the pieces of one row block (sizes the rounds)."""
-    programs, _, d_c = part.shape[0] // 2, part.shape[1], part.shape[2]
+    row blocks (blocks per request). cut_blocks bounds how many row blocks are cut (the grid);
+    max_pieces bounds the pieces of one row block (sizes the rounds)."""
+    d_c = part.shape[2]
     block_r, block_s, warps = _round_shape(max_pieces, part.is_cuda)
-    _merge_pieces_kernel[(max(programs - 1, 1), triton.cdiv(block_m, block_r))](
+    _merge_pieces_kernel[(max(cut_blocks, 1), triton.cdiv(block_m, block_r))](
         part, plse, out, lse, sched, rows, blocks, D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BM=block_m,
         BLOCK_R=block_r, BLOCK_S=block_s, num_warps=warps,
     )  # fmt: skip

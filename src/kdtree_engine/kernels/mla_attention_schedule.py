@@ -65,6 +65,13 @@ def max_pieces(b: int, blocks: int, sms: int, forced: int = 0) -> int:
     return forced + 1 if forced else sms // (b * blocks) + 2
 
 
+def cut_blocks(b: int, blocks: int, programs: int, forced: int = 0) -> int:
+    """A bound on the row blocks a schedule of `programs` programs cuts: every row block when forced,
+    else min(row blocks, programs - 1) (PER < NT, where every row block is cut, needs b * blocks <
+    programs; otherwise each boundary between programs cuts at most one row block)."""
+    return b * blocks if forced else min(b * blocks, programs - 1)
+
+
 @triton.jit
 def _cdiv(a, b):
     return (a + b - 1) // b
