@@ -8,8 +8,7 @@ import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
 from kdtree_engine.engine.demo import RequestRows
-from kdtree_engine.model import generate as model_generate
-from kdtree_engine.model import random_model, tiny_config
+from kdtree_engine.model import greedy_generate, random_model, tiny_config
 
 
 @lru_cache(maxsize=8)
@@ -67,7 +66,7 @@ class OracleDrafter:
     ) -> None:
         self.block_size, self.target_layer_ids = block_size, (0,)
         self.vocab = target.config.vocab_size
-        cont = model_generate(target, prompts, horizon + block_size + 1)
+        cont = greedy_generate(target, prompts, horizon + block_size + 1)
         self.sequences = [list(p) + c for p, c in zip(prompts, cont)]
         self.rank, self.top, self.margin = rank, top, margin
         self.gen = torch.Generator().manual_seed(seed)

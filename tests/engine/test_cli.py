@@ -7,7 +7,7 @@ import re
 import pytest
 
 from kdtree_engine.cli import main
-from kdtree_engine.model import generate as model_generate
+from kdtree_engine.model import greedy_generate
 
 
 def _run(capsys, *argv):
@@ -44,11 +44,37 @@ def test_batch_prompts_random_drafter_and_sampling(capsys):
         (["--demo", "--prompt", ""], "prompt 0 is empty"),
         (["--demo", "--budget", "-2"], "budget"),
         (["--drafter", "/nonexistent"], "--model"),
+        (["--demo", "--impl", "cuda"], "impl: expected one of ('ref', 'triton', 'hopper') or None"),
+        (["--demo", "--method", "beam"], "method: expected one of"),
+        (["--demo", "--top-p", "0"], "top_p"),
+        (["--demo", "--stop", "-1"], "stop_tokens"),
     ],
 )
 def test_errors_exit_2(capsys, argv, message):
     rc, _, err = _run(capsys, *argv)
     assert rc == 2 and message in err
+    assert err.count("\n") == 1  # one line
+
+
+def test_impl_choices_and_config():
+    """--impl takes the implementation vocabulary (default None: the fastest that applies), and the
+    arguments become one GenerationConfig."""
+    from kdtree_engine.cli import build_parser
+    from kdtree_engine.engine import GenerationConfig, SamplingParams
+    from kdtree_engine.engine.cli import _config
+
+    parse = build_parser().parse_args
+    assert parse(["generate"]).impl is None
+    for impl in ("ref", "triton", "hopper"):
+        assert parse(["generate", "--impl", impl]).impl == impl
+    args = parse(["generate", "--method", "dflash", "--budget", "8", "--temperature", "0.5", "--stop", "3"])
+    assert _config(args) == GenerationConfig(
+        max_new_tokens=64,
+        method="dflash",
+        budget=8,
+        sampling=SamplingParams(temperature=0.5),
+        stop_tokens=(3,),
+    )
 
 
 def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
@@ -67,5 +93,5 @@ def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
     rc, out, _ = _run(capsys, *argv, "--prompt", "w5 w17 w3 w99", "--max-new-tokens", "10", "--compare")
     assert rc == 0 and out.count("output identical: YES") == 2
     eos = ours.config.eos_token_id  # the default stop token for checkpoints
-    expected = " ".join(f"w{t}" for t in model_generate(ours, [[5, 17, 3, 99]], 10, eos_token_id=eos)[0])
+    expected = " ".join(f"w{t}" for t in greedy_generate(ours, [[5, 17, 3, 99]], 10, eos_token_id=eos)[0])
     assert f"--- ddtree (budget 32) ---\n{expected}\n" in out

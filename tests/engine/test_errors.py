@@ -1,11 +1,15 @@
-"""Bad input gets a ValueError that names the argument."""
+"""Bad input gets a ValueError that names the argument: GenerationConfig checks itself at construction,
+generate() checks what needs the models (drafter, prompts, stop ids inside the vocabulary)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
-from kdtree_engine.engine import generate
+from kdtree_engine.engine import GenerationConfig, SamplingParams, generate
 from tests.engine.helpers import tiny_drafter, tiny_target
 
 
@@ -19,6 +23,64 @@ def _drafter(**overrides):
 
 
 @pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(budget=-1), "budget: expected None or an int >= 0 for method 'ddtree', got -1"),
+        (dict(budget=2.0), "budget"),
+        (dict(budget=True), "budget"),
+        (dict(max_new_tokens=-3), "max_new_tokens"),
+        (dict(max_new_tokens=None), "max_new_tokens"),
+        (dict(method="beam"), "method"),
+        (dict(sampling=0.5), "sampling: expected a SamplingParams"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(seed="7"), "seed"),
+        (dict(stop_tokens=[-1]), "stop_tokens"),
+        (dict(stop_tokens=7), "stop_tokens"),
+        (dict(stop_tokens=[1.5]), "stop_tokens"),
+        (dict(impl="cuda"), r"impl: expected one of \('ref', 'triton', 'hopper'\) or None, got 'cuda'"),
+    ],
+)
+def test_bad_config(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GenerationConfig(**{"max_new_tokens": 4, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(temperature="hot"), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(top_k=2.5), "top_k"),
+    ],
+)
+def test_bad_sampling(fields, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**fields)
+
+
+def test_config_is_frozen_and_normalized():
+    config = GenerationConfig(max_new_tokens=4, stop_tokens=[3, 5], sampling=SamplingParams(1, top_k=5))
+    assert config.stop_tokens == (3, 5) and config.method == "ddtree" and config.budget is None
+    assert isinstance(config.sampling.temperature, float) and not config.sampling.greedy
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.budget = 3
+    assert dataclasses.replace(config, method="dflash").stop_tokens == (3, 5)
+    with pytest.raises(TypeError):
+        GenerationConfig(4)  # keyword-only
+
+
+def test_tree_budget():
+    assert GenerationConfig(max_new_tokens=1).tree_budget(8) == 7
+    assert GenerationConfig(max_new_tokens=1, budget=32).tree_budget(8) == 32
+    assert GenerationConfig(max_new_tokens=1, budget=0).tree_budget(8) == 0
+    assert GenerationConfig(max_new_tokens=1, method="dflash", budget=32).tree_budget(8) == 7
+    assert GenerationConfig(max_new_tokens=1, method="autoregressive", budget=32).tree_budget(8) == 0
+
+
+@pytest.mark.parametrize(
     "kwargs, match",
     [
         (dict(prompts=[]), "prompts"),
@@ -27,23 +89,20 @@ def _drafter(**overrides):
         (dict(prompts=[[-1]]), "prompts"),
         (dict(prompts=[[1.5]]), "prompts"),
         (dict(prompts=[[1] * 4096]), "longer than the target's context"),
-        (dict(budget=-1), "budget"),
-        (dict(budget=2.0), "budget"),
-        (dict(max_new_tokens=-3), "max_new_tokens"),
-        (dict(method="beam"), "method"),
-        (dict(temperature=-0.5), "temperature"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_k=-1), "top_k"),
-        (dict(stop_tokens=[10_000]), "stop_tokens"),
+        (dict(stop_tokens=(10_000,)), "stop_tokens"),
         (dict(drafter=None), "drafter: method 'ddtree' needs a drafter"),
+        (dict(config=8), "config: expected a GenerationConfig, got int"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     target, drafter = _models()
-    args = dict(prompts=[[1, 2, 3]], max_new_tokens=4, drafter=drafter, budget=4)
+    args = dict(prompts=[[1, 2, 3]], drafter=drafter)
     args.update(kwargs)
+    config = args.pop("config", None) or GenerationConfig(
+        max_new_tokens=4, budget=4, stop_tokens=args.pop("stop_tokens", ())
+    )
     with pytest.raises(ValueError, match=match):
-        generate(target, args.pop("drafter"), args.pop("prompts"), args.pop("max_new_tokens"), **args)
+        generate(target, args["drafter"], args["prompts"], config)
 
 
 @pytest.mark.parametrize(
@@ -58,24 +117,24 @@ def test_bad_arguments(kwargs, match):
 def test_mismatched_drafter(overrides, match):
     target = tiny_target(0)
     with pytest.raises(ValueError, match=f"drafter: {match}"):
-        generate(target, _drafter(**overrides), [[1, 2, 3]], 4, method="ddtree")
+        generate(target, _drafter(**overrides), [[1, 2, 3]], GenerationConfig(max_new_tokens=4))
 
 
 def test_autoregressive_needs_no_drafter():
     target = tiny_target(0)
-    assert len(generate(target, None, [[1, 2, 3]], 3, method="autoregressive").tokens[0]) == 3
+    config = GenerationConfig(max_new_tokens=3, method="autoregressive")
+    assert len(generate(target, None, [[1, 2, 3]], config).tokens[0]) == 3
 
 
 def test_zero_new_tokens_runs_nothing():
     target, drafter = _models()
-    out = generate(target, drafter, [[1, 2], [3]], 0)
+    out = generate(target, drafter, [[1, 2], [3]], GenerationConfig(max_new_tokens=0))
     assert out.tokens == [[], []] and out.stats.target_forwards == 0
 
 
 def test_tensor_and_flat_prompts():
-    import torch
-
     target, drafter = _models()
-    a = generate(target, drafter, torch.tensor([[4, 5, 6]]), 5).tokens
-    b = generate(target, drafter, [4, 5, 6], 5).tokens
+    config = GenerationConfig(max_new_tokens=5)
+    a = generate(target, drafter, torch.tensor([[4, 5, 6]]), config).tokens
+    b = generate(target, drafter, [4, 5, 6], config).tokens
     assert a == b and len(a) == 1

@@ -6,14 +6,14 @@ equality is not a bf16 property). Stats go to $OUT/engine_gpu.txt when OUT is se
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
-from kdtree_engine.engine import generate
-from kdtree_engine.model import generate as model_generate
-from kdtree_engine.model import random_model, tiny_config
+from kdtree_engine.engine import GenerationConfig, SamplingParams, generate
+from kdtree_engine.model import greedy_generate, random_model, tiny_config
 from tests.engine.helpers import OracleDrafter, random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -40,11 +40,12 @@ def test_invariant_cuda_float32(impl, seed):
     target, drafter = _models(torch.float32, seed)
     prompts = random_prompts(seed, [7, 30, 1, 12], target.config.vocab_size)
     n = 40
-    expected = model_generate(target, prompts, n, impl=impl)
+    expected = greedy_generate(target, prompts, n, impl=impl)
     for method, budget in [("autoregressive", None), ("dflash", None)] + [
         ("ddtree", b) for b in (1, 4, 16, 32)
     ]:
-        out = generate(target, drafter, prompts, n, method=method, budget=budget, impl=impl)
+        config = GenerationConfig(max_new_tokens=n, method=method, budget=budget, impl=impl)
+        out = generate(target, drafter, prompts, config)
         assert out.tokens == expected, (method, budget)
         _report(f"cuda fp32 impl={impl} seed={seed} budget={budget}: {out.stats.summary()}")
 
@@ -54,8 +55,8 @@ def test_oracle_forward_counts_cuda():
     prompts = random_prompts(3, [5, 9], target.config.vocab_size)
     n = 33  # 1 from the prefill + 2 rounds of 16
     drafter = OracleDrafter(target, prompts, n, block_size=16, top=1)
-    out = generate(target, drafter, prompts, n, method="ddtree", budget=32)
-    assert out.tokens == model_generate(target, prompts, n)
+    out = generate(target, drafter, prompts, GenerationConfig(max_new_tokens=n, method="ddtree", budget=32))
+    assert out.tokens == greedy_generate(target, prompts, n)
     assert out.stats.target_forwards == 3
     _report(f"cuda oracle: {out.stats.summary()}")
 
@@ -64,12 +65,14 @@ def test_bf16_and_sampled_run_cuda():
     target, drafter = _models(torch.bfloat16)
     prompts = random_prompts(4, [6, 20], target.config.vocab_size)
     n = 64
-    base = generate(target, drafter, prompts, n, method="autoregressive")
-    tree = generate(target, drafter, prompts, n, method="ddtree", budget=32)
+    base = generate(target, drafter, prompts, GenerationConfig(max_new_tokens=n, method="autoregressive"))
+    config = GenerationConfig(max_new_tokens=n, method="ddtree", budget=32)
+    tree = generate(target, drafter, prompts, config)
     pairs = zip(base.tokens, tree.tokens)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n) for x, y in pairs]
     _report(f"cuda bf16: first divergence from autoregressive at {agree} of {n}; {tree.stats.summary()}")
     assert all(len(t) == n for t in tree.tokens)
-    sampled = generate(target, drafter, prompts, n, method="ddtree", budget=32, temperature=0.8, top_p=0.95)
+    hot = replace(config, sampling=SamplingParams(temperature=0.8, top_p=0.95))
+    sampled = generate(target, drafter, prompts, hot)
     assert [len(t) for t in sampled.tokens] == [n, n]
     _report(f"cuda bf16 sampled: {sampled.stats.summary()}")

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from kdtree_engine.engine import generate
-from kdtree_engine.model import generate as model_generate
+from kdtree_engine.engine import GenerationConfig, generate
+from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import random_prompts, tiny_drafter, tiny_target
 
 BUDGETS = (1, 4, 16, 32)
 
 
 def _run(target, drafter, prompts, n, method, budget=None):
-    return generate(target, drafter, prompts, n, method=method, budget=budget, impl="ref")
+    config = GenerationConfig(max_new_tokens=n, method=method, budget=budget, impl="ref")
+    return generate(target, drafter, prompts, config)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -22,7 +23,7 @@ def test_greedy_ddtree_equals_dflash_equals_autoregressive(seed, lengths):
     target, drafter = tiny_target(seed), tiny_drafter(seed, seed=100 + seed)
     prompts = random_prompts(seed, lengths, target.config.vocab_size)
     n = 24
-    expected = model_generate(target, prompts, n)  # the model's own greedy loop
+    expected = greedy_generate(target, prompts, n)  # the model's own greedy loop
     ar = _run(target, drafter, prompts, n, "autoregressive")
     assert ar.tokens == expected
     assert ar.stats.target_forwards == n
@@ -53,18 +54,19 @@ def test_budget_zero_is_autoregressive_with_a_drafter():
     target, drafter = tiny_target(0), tiny_drafter(0)
     prompts = random_prompts(9, [4, 7], target.config.vocab_size)
     out = _run(target, drafter, prompts, 10, "ddtree", 0)
-    assert out.tokens == model_generate(target, prompts, 10)
+    assert out.tokens == greedy_generate(target, prompts, 10)
     assert out.stats.target_forwards == 10 and set(out.stats.accept_lengths) == {1}
 
 
 def test_stop_tokens_and_lengths():
     target, drafter = tiny_target(1), tiny_drafter(1, seed=101)
     prompts = random_prompts(1, [3, 8], target.config.vocab_size)
-    full = model_generate(target, prompts, 30)
+    full = greedy_generate(target, prompts, 30)
     stop = full[0][12]
     cut = [seq[: seq.index(stop) + 1] if stop in seq else seq for seq in full]
     for method in ("autoregressive", "dflash", "ddtree"):
-        out = generate(target, drafter, prompts, 30, method=method, budget=8, stop_tokens=[stop])
+        config = GenerationConfig(max_new_tokens=30, method=method, budget=8, stop_tokens=[stop])
+        out = generate(target, drafter, prompts, config)
         assert out.tokens == cut, method
         assert out.stats.new_tokens == [len(c) for c in cut]
 
@@ -76,9 +78,10 @@ def test_context_limit_stops_generation():
     small.load_state_dict(target.state_dict())
     drafter = tiny_drafter(0)
     prompts = [[1, 2, 3], [4] * 12]
-    full = model_generate(target, prompts, 17)
+    full = greedy_generate(target, prompts, 17)
     for method in ("autoregressive", "ddtree"):
-        out = generate(small.eval(), drafter, prompts, 40, method=method, budget=16)
+        config = GenerationConfig(max_new_tokens=40, method=method, budget=16)
+        out = generate(small.eval(), drafter, prompts, config)
         assert out.tokens == [full[0][:17], full[1][:8]], method
 
 
@@ -86,15 +89,8 @@ def test_stats_and_streaming():
     target, drafter = tiny_target(0), tiny_drafter(0)
     prompts = random_prompts(3, [4, 6], target.config.vocab_size)
     streamed: dict[int, list[int]] = {0: [], 1: []}
-    out = generate(
-        target,
-        drafter,
-        prompts,
-        15,
-        method="ddtree",
-        budget=32,
-        on_tokens=lambda b, toks: streamed[b].extend(toks),
-    )
+    config = GenerationConfig(max_new_tokens=15, method="ddtree", budget=32)
+    out = generate(target, drafter, prompts, config, on_tokens=lambda b, toks: streamed[b].extend(toks))
     assert [streamed[0], streamed[1]] == out.tokens
     s = out.stats
     assert s.total_new_tokens == 30 and s.batch_size == 2
@@ -108,8 +104,9 @@ def test_stats_and_streaming():
 def test_stage_timing_off_changes_nothing_but_the_timers():
     target, drafter = tiny_target(0), tiny_drafter(0)
     prompts = random_prompts(3, [4, 6], target.config.vocab_size)
-    timed = generate(target, drafter, prompts, 12, budget=16)
-    untimed = generate(target, drafter, prompts, 12, budget=16, stage_timing=False)
+    config = GenerationConfig(max_new_tokens=12, budget=16)
+    timed = generate(target, drafter, prompts, config)
+    untimed = generate(target, drafter, prompts, config, stage_timing=False)
     assert untimed.tokens == timed.tokens and untimed.stats.accept_lengths == timed.stats.accept_lengths
     assert not any(untimed.stats.stage_times.values()) and untimed.stats.wall_time > 0
     assert "stages: not timed" in untimed.stats.summary()

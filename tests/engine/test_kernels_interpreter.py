@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdtree_engine.engine import generate
-from kdtree_engine.model import generate as model_generate
+from kdtree_engine.engine import GenerationConfig, generate
+from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import random_prompts, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check; CUDA runs test_gpu")
@@ -19,7 +19,8 @@ def test_greedy_invariant_through_the_kernels():
     pytest.importorskip("triton")
     target, drafter = tiny_target(0), tiny_drafter(0, block_size=4)
     prompts = random_prompts(0, [3, 6], target.config.vocab_size)
-    expected = model_generate(target, prompts, 4)
+    expected = greedy_generate(target, prompts, 4)
     for method, budget in (("dflash", None), ("ddtree", 4)):
-        out = generate(target, drafter, prompts, 4, method=method, budget=budget, impl="triton")
+        config = GenerationConfig(max_new_tokens=4, method=method, budget=budget, impl="triton")
+        out = generate(target, drafter, prompts, config)
         assert out.tokens == expected, method

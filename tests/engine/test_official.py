@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
-from kdtree_engine.engine import generate
+from kdtree_engine.engine import GenerationConfig, generate
 
 OFFICIAL = os.environ.get("KDTREE_OFFICIAL_DDTREE")
 pytestmark = pytest.mark.skipif(not OFFICIAL, reason="set KDTREE_OFFICIAL_DDTREE to a ddtree checkout")
@@ -85,12 +85,13 @@ def test_engine_equals_official_ddtree_and_dflash(legacy_crop, budget, tmp_path)
     prompt, n, mask = [5, 17, 3, 99, 42, 7], 24, drafter.config.mask_token_id
     ids = torch.tensor([prompt])
     theirs = mods["ddtree"].ddtree_generate(official, hf, ids, mask, n, drafter.block_size, None, 0.0, budget)
-    ours = generate(target, drafter, [prompt], n, method="ddtree", budget=budget)
+    config = GenerationConfig(max_new_tokens=n, method="ddtree", budget=budget)
+    ours = generate(target, drafter, [prompt], config)
     assert ours.tokens[0] == theirs.output_ids[0, len(prompt) :].tolist()
     rounds = len(ours.stats.accept_lengths)
     assert ours.stats.accept_lengths == theirs.acceptance_lengths[:rounds]
 
     chain = mods["dflash"].dflash_generate(official, hf, ids, mask, n, drafter.block_size, None, 0.0)
-    ours = generate(target, drafter, [prompt], n, method="dflash")
+    ours = generate(target, drafter, [prompt], GenerationConfig(max_new_tokens=n, method="dflash"))
     assert ours.tokens[0] == chain.output_ids[0, len(prompt) :].tolist()
     assert ours.stats.accept_lengths == chain.acceptance_lengths[: len(ours.stats.accept_lengths)]

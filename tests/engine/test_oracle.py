@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from kdtree_engine.engine import generate
-from kdtree_engine.model import generate as model_generate
+from kdtree_engine.engine import GenerationConfig, generate
+from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import OracleDrafter, random_prompts, tiny_target
 
 
@@ -19,8 +19,8 @@ def test_top1_oracle_accepts_whole_blocks(method, lengths):
     prompts = random_prompts(11, lengths, target.config.vocab_size)
     n, block = 25, 8  # 1 token from the prefill, then 3 rounds of L + 1 = 8
     drafter = OracleDrafter(target, prompts, n, block_size=block, top=1)
-    out = generate(target, drafter, prompts, n, method=method, budget=8)
-    assert out.tokens == model_generate(target, prompts, n)
+    out = generate(target, drafter, prompts, GenerationConfig(max_new_tokens=n, method=method, budget=8))
+    assert out.tokens == greedy_generate(target, prompts, n)
     assert out.stats.target_forwards == 1 + math.ceil((n - 1) / block) == 4
     assert out.stats.drafter_forwards == 3
     assert out.stats.accept_histogram == {block: 3 * len(prompts)}
@@ -34,13 +34,13 @@ def test_rank1_oracle_ddtree_beats_dflash():
     target = tiny_target(5)
     prompts = random_prompts(12, [5, 3], target.config.vocab_size)
     n = 21
-    expected = model_generate(target, prompts, n)
+    expected = greedy_generate(target, prompts, n)
 
     def oracle():
         return OracleDrafter(target, prompts, n, block_size=8, rank=lambda pos: 1, top=2, margin=0.1)
 
-    chain = generate(target, oracle(), prompts, n, method="dflash")
-    tree = generate(target, oracle(), prompts, n, method="ddtree", budget=32)
+    chain = generate(target, oracle(), prompts, GenerationConfig(max_new_tokens=n, method="dflash"))
+    tree = generate(target, oracle(), prompts, GenerationConfig(max_new_tokens=n, method="ddtree", budget=32))
     assert chain.tokens == expected and tree.tokens == expected
     assert chain.stats.target_forwards == n
     assert tree.stats.accept_histogram == {5: 4 * len(prompts)}
@@ -55,7 +55,7 @@ def test_mixed_oracle_ragged_acceptance():
     n = 30
     ranks = (0, 0, 0, 1, 0, 0, 2, 0, 0, 0, 1, 0, 0)
     drafter = OracleDrafter(target, prompts, n, rank=lambda pos: ranks[pos % 13], top=3, margin=0.5)
-    out = generate(target, drafter, prompts, n, method="ddtree", budget=16)
-    assert out.tokens == model_generate(target, prompts, n)
+    out = generate(target, drafter, prompts, GenerationConfig(max_new_tokens=n, method="ddtree", budget=16))
+    assert out.tokens == greedy_generate(target, prompts, n)
     assert len(set(out.stats.accept_lengths)) > 1
     assert out.stats.target_forwards < n // 2

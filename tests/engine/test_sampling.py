@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
-from kdtree_engine.engine import SamplingParams, generate, target_probs
+from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, target_probs
 from kdtree_engine.engine import loop as generate_module
 from kdtree_engine.model import random_model, tiny_config
 from kdtree_engine.tree import accept_greedy, accept_sampled
@@ -66,18 +66,8 @@ def chi2_critical(df: int, z: float = 4.753) -> float:
 
 def _draws(params: SamplingParams, seed: int = 1234, method: str = "ddtree") -> torch.Tensor:
     target, drafter = _models()
-    out = generate(
-        target,
-        drafter,
-        [PROMPT] * DRAWS,
-        3,
-        method=method,
-        budget=BUDGET,
-        seed=seed,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-    )
+    config = GenerationConfig(max_new_tokens=3, method=method, budget=BUDGET, sampling=params, seed=seed)
+    out = generate(target, drafter, [PROMPT] * DRAWS, config)
     assert all(len(t) == 3 for t in out.tokens)
     assert out.stats.target_forwards <= 4
     return torch.tensor(out.tokens)  # [DRAWS, 3]
@@ -112,7 +102,8 @@ def test_dflash_sampling_matches_target_distribution():
 
 def test_sampling_is_reproducible_from_the_seed():
     target, drafter = _models()
-    run = [generate(target, drafter, [PROMPT] * 4, 12, temperature=1.0, seed=s).tokens for s in (5, 5, 6)]
+    configs = [GenerationConfig(max_new_tokens=12, sampling=SamplingParams(1.0), seed=s) for s in (5, 5, 6)]
+    run = [generate(target, drafter, [PROMPT] * 4, c).tokens for c in configs]
     assert run[0] == run[1] and run[0] != run[2]
 
 

@@ -1,4 +1,5 @@
-"""Validation at generate()'s boundary. Every failure is a ValueError naming the argument."""
+"""Validation at generate()'s boundary of what needs the models (GenerationConfig checks itself).
+Every failure is a ValueError naming the argument."""
 
 from __future__ import annotations
 
@@ -6,10 +7,8 @@ import numbers
 
 import torch
 
-METHODS = ("autoregressive", "dflash", "ddtree")
 
-
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
@@ -19,15 +18,15 @@ def check_prompts(prompts, vocab_size: int, context_len: int | None) -> list[lis
         if prompts.is_floating_point():
             raise ValueError(f"prompts: expected integer token ids, got dtype {prompts.dtype}")
         prompts = prompts.tolist()
-        if prompts and _is_int(prompts[0]):
+        if prompts and is_int(prompts[0]):
             prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
-    if all(_is_int(t) for t in prompts):
+    if all(is_int(t) for t in prompts):
         prompts = [prompts]
     out = []
     for i, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or not all(_is_int(t) for t in p):
+        if not isinstance(p, (list, tuple)) or not all(is_int(t) for t in p):
             raise ValueError(f"prompts: prompt {i} must be a list of int token ids")
         if len(p) == 0:
             raise ValueError(f"prompts: prompt {i} is empty (at least one token is needed)")
@@ -42,18 +41,14 @@ def check_prompts(prompts, vocab_size: int, context_len: int | None) -> list[lis
     return out
 
 
-def check_method(method: str, drafter, budget) -> None:
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    if method != "autoregressive" and drafter is None:
+def check_drafter(target, drafter, method: str) -> None:
+    """A method other than "autoregressive" needs a drafter, and drafter and target must agree: hidden
+    size (the drafter embeds with the target's table and feeds the target's lm_head), vocabulary, and
+    target layer ids within the target's layers."""
+    if method == "autoregressive":
+        return
+    if drafter is None:
         raise ValueError(f"drafter: method {method!r} needs a drafter")
-    if budget is not None and (not _is_int(budget) or budget < 0):
-        raise ValueError(f"budget: expected an int >= 0, got {budget!r}")
-
-
-def check_drafter(target, drafter) -> None:
-    """Drafter and target must agree: hidden size (the drafter embeds with the target's table and feeds
-    the target's lm_head), vocabulary, and target layer ids within the target's layers."""
     tcfg, dcfg = target.config, getattr(drafter, "config", None)
     ids = tuple(drafter.target_layer_ids)
     if not ids:
@@ -73,8 +68,8 @@ def check_drafter(target, drafter) -> None:
         raise ValueError(f"drafter: vocab_size {dcfg.vocab_size} != target vocab_size {tcfg.vocab_size}")
 
 
-def check_stop_tokens(stop_tokens, vocab_size: int) -> frozenset[int]:
-    stops = frozenset(int(t) for t in (stop_tokens or ()))
+def check_stop_tokens(stop_tokens: tuple[int, ...], vocab_size: int) -> frozenset[int]:
+    stops = frozenset(stop_tokens)
     if any(not 0 <= t < vocab_size for t in stops):
         raise ValueError(f"stop_tokens: ids must be in [0, {vocab_size})")
     return stops

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from kdtree_engine.engine.checks import METHODS, check_prompts
+from kdtree_engine.engine.checks import check_prompts
+from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.loop import GenerationOutput, generate
+from kdtree_engine.engine.sampling import SamplingParams
+from kdtree_engine.impl import IMPLS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="prompt text (token ids separated by spaces without a tokenizer); repeat for a batch",
     )
-    parser.add_argument("--method", choices=METHODS, default="ddtree")
+    # --method and --impl are checked by GenerationConfig: a bad value is one line on stderr, exit 2.
+    parser.add_argument("--method", default="ddtree", metavar="{" + ",".join(METHODS) + "}")
     parser.add_argument("--budget", type=int, default=32, help="DDTree node budget (root not counted)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -64,9 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--impl",
-        choices=("ref", "triton"),
         default=None,
-        help="default: triton kernels on CUDA, reference on CPU",
+        metavar="{" + ",".join(IMPLS) + "}",
+        help="ref: the torch reference; triton: the Triton kernels; hopper: the Hopper attention kernel "
+        "where it applies, Triton elsewhere (default: the fastest that applies)",
     )
     parser.add_argument("--no-stream", action="store_true", help="print the output only at the end")
     parser.add_argument(
@@ -99,7 +105,33 @@ class _Tokenizer:
         return self.tok.decode(ids) if self.tok is not None else " ".join(map(str, ids))
 
 
-def _load(args, prompts_text):
+def _config(args) -> GenerationConfig:
+    """The GenerationConfig of the arguments (stop tokens: --stop only; _load adds a checkpoint's eos)."""
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        method=args.method,
+        budget=args.budget,
+        sampling=sampling,
+        seed=args.seed,
+        stop_tokens=tuple(args.stop or ()),
+        impl=args.impl,
+    )
+
+
+@dataclass
+class _Session:
+    """The loaded models, the tokenizer, the checked prompts and the configuration to run."""
+
+    target: object
+    drafter: object | None
+    tokenizer: _Tokenizer
+    prompts: list[list[int]]
+    config: GenerationConfig
+
+
+def _load(args, config: GenerationConfig) -> _Session:
+    prompts_text = args.prompt
     demo = args.demo or (args.model is None and args.drafter is None)
     if demo:
         from kdtree_engine.engine import demo as d
@@ -113,9 +145,9 @@ def _load(args, prompts_text):
         cfg = target.config
         prompts = check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)  # before the oracle
         drafter = None
-        if args.method != "autoregressive" or args.compare:
-            drafter = d.demo_drafter(args.demo_drafter, target, prompts, args.max_new_tokens)
-        return target, drafter, tok, prompts
+        if config.method != "autoregressive" or args.compare:
+            drafter = d.demo_drafter(args.demo_drafter, target, prompts, config.max_new_tokens)
+        return _Session(target=target, drafter=drafter, tokenizer=tok, prompts=prompts, config=config)
     if args.model is None:
         raise ValueError("--model: a target checkpoint is required unless --demo is given")
     from kdtree_engine.drafter import load_drafter
@@ -127,19 +159,18 @@ def _load(args, prompts_text):
     tok = _Tokenizer(args.model)
     if not prompts_text:
         raise ValueError("--prompt: give at least one prompt")
-    return target, drafter, tok, [tok.encode(p) for p in prompts_text]
+    if not (args.stop or args.ignore_eos):  # a checkpoint stops at its eos token by default
+        eos = target.config.eos_token_id
+        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        config = replace(config, stop_tokens=eos)
+    prompts = [tok.encode(p) for p in prompts_text]
+    return _Session(target=target, drafter=drafter, tokenizer=tok, prompts=prompts, config=config)
 
 
-def _stop_tokens(args, target) -> list[int]:
-    if args.stop or args.ignore_eos or args.demo or args.model is None:
-        return list(args.stop or ())
-    eos = target.config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-def _run(args, target, drafter, prompts, method, tok, stream: bool) -> GenerationOutput:
+def _run(session: _Session, method: str, stream: bool, stage_timing: bool) -> GenerationOutput:
     seen: list[int] = []
     shown = [""]
+    tok = session.tokenizer
 
     def on_tokens(b: int, toks: list[int]) -> None:
         # Decode the whole output and print the new suffix: a piece decoded alone can lose its spacing.
@@ -149,22 +180,15 @@ def _run(args, target, drafter, prompts, method, tok, stream: bool) -> Generatio
         sys.stdout.flush()
         shown[0] = text
 
-    print(f"--- {method}" + (f" (budget {args.budget})" if method == "ddtree" else "") + " ---")
+    config = replace(session.config, method=method)
+    print(f"--- {method}" + (f" (budget {config.budget})" if method == "ddtree" else "") + " ---")
     out = generate(
-        target,
-        drafter,
-        prompts,
-        args.max_new_tokens,
-        method=method,
-        budget=args.budget,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop_tokens=_stop_tokens(args, target),
-        impl=args.impl,
+        session.target,
+        session.drafter,
+        session.prompts,
+        config,
         on_tokens=on_tokens if stream else None,
-        stage_timing=not args.no_stage_timing,
+        stage_timing=stage_timing,
     )
     if stream:
         print()
@@ -175,7 +199,8 @@ def _run(args, target, drafter, prompts, method, tok, stream: bool) -> Generatio
     return out
 
 
-def _compare(args, runs: dict[str, GenerationOutput]) -> int:
+def _compare(runs: dict[str, GenerationOutput], greedy: bool) -> int:
+    """Exit code 1 when a greedy output differs from autoregressive decoding's."""
     base = runs["autoregressive"]
     print("--- compare with autoregressive ---")
     same_all = True
@@ -186,13 +211,13 @@ def _compare(args, runs: dict[str, GenerationOutput]) -> int:
         same_all &= same
         speed = base.stats.wall_time / out.stats.wall_time if out.stats.wall_time else float("nan")
         fwd = base.stats.target_forwards / max(out.stats.target_forwards, 1)
-        verdict = "sampled" if args.temperature > 0 else ("identical: YES" if same else "identical: NO")
+        verdict = ("identical: YES" if same else "identical: NO") if greedy else "sampled"
         print(
             f"{method:>8}: target forwards {out.stats.target_forwards} vs {base.stats.target_forwards} "
             f"({fwd:.2f}x fewer), mean accepted length {out.stats.mean_accept_len:.2f}, "
             f"wall time speedup {speed:.2f}x, output {verdict}"
         )
-    if args.temperature > 0:
+    if not greedy:
         print("(sampled outputs are not expected to be identical; their distribution is the target's)")
         return 0
     return 0 if same_all else 1
@@ -201,15 +226,18 @@ def _compare(args, runs: dict[str, GenerationOutput]) -> int:
 def main(args: argparse.Namespace) -> int:
     """--compare runs the chosen method, then DFlash (when the method is DDTree) and autoregressive."""
     try:
-        target, drafter, tok, prompts = _load(args, args.prompt)
-        stream = not args.no_stream and len(prompts) == 1
+        session = _load(args, _config(args))
+        stream = not args.no_stream and len(session.prompts) == 1
         methods = [args.method]
         if args.compare and args.method == "ddtree":
             methods.append("dflash")
         if args.compare and args.method != "autoregressive":
             methods.append("autoregressive")
-        runs = {m: _run(args, target, drafter, prompts, m, tok, stream) for m in methods}
+        timing = not args.no_stage_timing
+        runs = {m: _run(session, m, stream, timing) for m in methods}
     except ValueError as exc:
         print(f"kdtree-engine generate: {exc}", file=sys.stderr)
         return 2
-    return _compare(args, runs) if "autoregressive" in runs and len(runs) > 1 else 0
+    if "autoregressive" in runs and len(runs) > 1:
+        return _compare(runs, greedy=session.config.sampling.greedy)
+    return 0

@@ -92,9 +92,9 @@ def demo_drafter(kind: str, target, prompts: list[list[int]], max_new_tokens: in
         return random_drafter(cfg, seed=1, dtype=target.dtype, device=target.device)
     if kind != "oracle":
         raise ValueError(f"demo_drafter: kind must be 'oracle' or 'random', got {kind!r}")
-    from kdtree_engine.model import generate as greedy
+    from kdtree_engine.model import greedy_generate
 
-    cont = greedy(target, prompts, max_new_tokens + block_size + 1)
+    cont = greedy_generate(target, prompts, max_new_tokens + block_size + 1)
     seqs = [list(p) + c for p, c in zip(prompts, cont)]
     return NoisyOracleDrafter(seqs, target.config.vocab_size, block_size)
 

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from kdtree_engine.engine import checks
-from kdtree_engine.engine.checks import METHODS
-from kdtree_engine.engine.sampling import SamplingParams, accept_tokens, root_tree
+from kdtree_engine.engine.config import METHODS, GenerationConfig
+from kdtree_engine.engine.sampling import accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
-from kdtree_engine.model.generate import pad_prompts
+from kdtree_engine.model.greedy import pad_prompts
 from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
-from kdtree_engine.tree.validate import check_int
 
-__all__ = ["METHODS", "GenerationOutput", "chain_tree", "generate"]
+__all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "chain_tree", "generate"]
 
 OnTokens = Callable[[int, list[int]], None]
 
@@ -73,15 +72,6 @@ def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
     )
 
 
-def _prefill(target, prompts: list[list[int]], cache, capture: tuple[int, ...], impl):
-    """Prefill of the ragged prompts, padded to the longest: (ForwardOutput, logits of each last real
-    token [B, V], lengths [B] int64)."""
-    ids, lens = pad_prompts(prompts, cache.seqlens.device)
-    out = target(ids, cache, lengths=lens, capture_layers=capture, impl=impl, logits_rows=lens - 1)
-    last = out.logits[:, 0]  # [B, V]
-    return out, last, lens
-
-
 @dataclass
 class _Batch:
     """The requests still running, one batch row each (finished requests are dropped from the batch).
@@ -119,17 +109,19 @@ class _Run:
 
     target: object
     drafter: object | None
-    reqs: _Requests
-    params: SamplingParams
-    seed: int  # of the sampled mode's counter-based noise, in [0, 2^64)
-    stats: GenerationStats
-    timer: StageTimer
-    method: str
-    budget: int
+    config: GenerationConfig
+    budget: int  # nodes verified per round besides the root (0 for autoregressive decoding)
+    noise_seed: int  # config.seed mod 2^64: the key of the sampled mode's counter-based noise
     limit: int | None  # the target's context length (positions < limit)
     max_len: int  # cache rows per request
-    impl: str | None
+    reqs: _Requests
+    stats: GenerationStats
+    timer: StageTimer
     draws: int = 0  # target-token choices so far: the noise offset of the next one
+
+    @property
+    def impl(self) -> str | None:
+        return self.config.impl
 
     @property
     def capture(self) -> tuple[int, ...]:
@@ -138,7 +130,8 @@ class _Run:
 
 def _accept(run: _Run, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
     """The target's token at every node (argmax or sample, a fresh noise offset per call), then the walk."""
-    acc = accept_tokens(tree, logits, run.params, seed=run.seed, offset=run.draws, impl=run.impl)
+    sampling = run.config.sampling
+    acc = accept_tokens(tree, logits, sampling, seed=run.noise_seed, offset=run.draws, impl=run.impl)
     run.draws += 1
     return acc
 
@@ -149,17 +142,28 @@ def _pick(run: _Run, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _start(run: _Run, prompts: list[list[int]]) -> _Batch:
-    """Prefill; commits each request's first token."""
+    """Prefill of the ragged prompts, padded to the longest, capturing the drafter's target layers;
+    commits each request's first token, chosen from its last real row."""
     b = len(prompts)
     cache = run.target.new_cache(b, run.max_len)
     with run.timer.stage("prefill"):
-        out, last, lens = _prefill(run.target, prompts, cache, run.capture, run.impl)
-        bonus = _pick(run, last)  # [B]
+        ids, lens = pad_prompts(prompts, cache.seqlens.device)
+        out = run.target(
+            ids, cache, lengths=lens, capture_layers=run.capture, impl=run.impl, logits_rows=lens - 1
+        )
+        bonus = _pick(run, out.logits[:, 0])  # [B]
     run.stats.target_forwards += 1
     for r, t in enumerate(bonus.tolist()):
         run.reqs.commit(r, [t])
-    dcache = run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None
-    batch = _Batch(list(range(b)), cache, dcache, lens, bonus, out.hidden, lens.clone())
+    batch = _Batch(
+        rows=list(range(b)),
+        cache=cache,
+        dcache=run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None,
+        start=lens,
+        bonus=bonus,
+        ctx=out.hidden,
+        ctx_lens=lens.clone(),
+    )
     batch.drop_finished(run.reqs)
     return batch
 
@@ -184,7 +188,7 @@ def _build(run: _Run, b: _Batch) -> DraftTree:
         draft_logits = run.drafter.draft(run.target, b.ctx, b.ctx_lens, b.bonus, b.start, b.dcache)
     run.stats.drafter_forwards += 1
     with run.timer.stage("tree_build"):
-        if run.method == "dflash":
+        if run.config.method == "dflash":
             return chain_tree(draft_logits)  # [n, L, V] -> L nodes
         return build_tree_from_logits(draft_logits, run.budget, impl=run.impl, validate=False)
 
@@ -210,78 +214,77 @@ def _speculative(run: _Run, prompts: list[list[int]]) -> None:
         with timer.stage("accept"):
             acc = _accept(run, tree, out.logits)
         with timer.stage("commit"):
-            _commit_round(run.reqs, run.stats, batch, vin, out, acc)
+            _commit_round(run, batch, vin, out, acc)
 
 
-def _commit_round(reqs: _Requests, stats: GenerationStats, batch: _Batch, vin, out, acc) -> None:
+def _commit_round(run: _Run, batch: _Batch, vin, out, acc: AcceptResult) -> None:
     """Keep the accepted rows of the target cache, hand their features to the drafter, commit the
-    tokens of the accepted nodes (root excluded: it was committed last round) and the bonus token."""
+    tokens of the accepted nodes (root excluded: it was committed last round) and the bonus token.
+    vin: the round's VerifyInputs; out: the verify forward's ForwardOutput."""
     batch.cache.compact(batch.start, acc.accepted, acc.accept_len)
     idx = acc.accepted.clamp(min=0)  # [n, L + 1]
     batch.ctx = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
     batch.ctx_lens, batch.start, batch.bonus = acc.accept_len, batch.start + acc.accept_len, acc.bonus
     tokens, lens = vin.input_ids.gather(1, idx).tolist(), acc.accept_len.tolist()
     for r, toks, n, bonus in zip(batch.rows, tokens, lens, acc.bonus.tolist()):
-        stats.accept_lengths.append(n)
-        reqs.commit(r, toks[1:n] + [bonus])
-    batch.drop_finished(reqs)
+        run.stats.accept_lengths.append(n)
+        run.reqs.commit(r, toks[1:n] + [bonus])
+    batch.drop_finished(run.reqs)
 
 
 def generate(
     target,
     drafter,
     prompts,
-    max_new_tokens: int,
-    method: str = "ddtree",
+    config: GenerationConfig,
     *,
-    budget: int | None = None,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    stop_tokens=(),
-    impl: str | None = None,
     on_tokens: OnTokens | None = None,
     stage_timing: bool = True,
 ) -> GenerationOutput:
-    """Generate up to max_new_tokens per prompt.
+    """Generate up to config.max_new_tokens new tokens per prompt with config.method.
 
     target: a kdtree_engine.model DeepseekV3ForCausalLM (or anything with its interface); drafter: a
-    DFlashDrafter (or anything with `block_size`, `target_layer_ids`, `new_cache`, `draft`), unused for
-    "autoregressive"; prompts: list of token-id lists (ragged) or an int tensor [B, T]; method:
-    "autoregressive" | "dflash" | "ddtree"; budget: DDTree nodes (root not counted), default L =
-    block_size - 1. temperature 0 is greedy; otherwise the target token at every node is drawn
-    independently (tempered, top-k, top-p) by accept_sampled's counter-based noise, keyed by
-    `seed` (any int, taken mod 2^64) and one offset per draw, so a run is reproducible. A request stops after
-    a token in stop_tokens (kept) or at the target's context limit. on_tokens(b, tokens) streams commits.
-    stage_timing=False skips the per-stage timers (and their CUDA syncs); the wall time is still taken.
-    Returns GenerationOutput(tokens [B][n_b] new tokens, stats).
+    DFlashDrafter (or anything with `block_size`, `target_layer_ids`, `new_cache`, `draft`), may be None
+    for "autoregressive"; prompts: list of token-id lists (ragged), one list, or an int tensor [B, T];
+    config: a GenerationConfig. Greedy decoding (temperature 0) commits the target's argmax at every
+    position with every method; sampled decoding draws each target token independently, keyed by
+    config.seed and one offset per draw, so a run is reproducible. A request stops after a token in
+    config.stop_tokens (kept) or at the target's context limit. on_tokens(b, tokens) streams each
+    request's newly committed tokens. stage_timing=False skips the per-stage timers (and their device
+    syncs); the wall time is still taken. Returns GenerationOutput(tokens [B][n_b] new tokens, stats).
     """
+    if not isinstance(config, GenerationConfig):
+        raise ValueError(f"config: expected a GenerationConfig, got {type(config).__name__}")
     cfg = target.config
     limit = getattr(cfg, "max_position_embeddings", None)
-    checks.check_method(method, drafter, budget)
-    max_new_tokens = check_int(max_new_tokens, "max_new_tokens")
+    method, max_new_tokens = config.method, config.max_new_tokens
+    checks.check_drafter(target, drafter, method)
     prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
-    stops = checks.check_stop_tokens(stop_tokens, cfg.vocab_size)
-    params = SamplingParams(float(temperature), float(top_p), int(top_k))
-    seed = check_int(seed, "seed", minimum=-(2**63)) % 2**64
-    if method != "autoregressive":
-        checks.check_drafter(target, drafter)
-        depth = drafter.block_size - 1
-        budget = depth if budget is None else budget
-        if method == "dflash":
-            budget = depth
+    stops = checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
+    block_size = drafter.block_size if method != "autoregressive" else 1
+    budget = config.tree_budget(block_size)
     limits = [max_new_tokens if limit is None else min(max_new_tokens, limit - len(p)) for p in prompts]
     # The last round of a request may write a whole tree past its limit before the request is dropped.
-    margin = 2 if method == "autoregressive" else budget + drafter.block_size + 2
+    margin = 2 if method == "autoregressive" else budget + block_size + 2
     max_len = max(len(p) for p in prompts) + max_new_tokens + margin
     device = target.lm_head.weight.device
     stats = GenerationStats(method=method, batch_size=len(prompts))
     timer = StageTimer(device, enabled=stage_timing)
-    reqs = _Requests(limits, stops, on_tokens)
+    reqs = _Requests(limits=limits, stops=stops, on_tokens=on_tokens)
     if not any(reqs.active):
         return GenerationOutput(tokens=reqs.tokens, stats=stats)
-    run = _Run(target, drafter, reqs, params, seed, stats, timer, method, budget or 0, limit, max_len, impl)
+    run = _Run(
+        target=target,
+        drafter=drafter,
+        config=config,
+        budget=budget,
+        noise_seed=config.seed % 2**64,
+        limit=limit,
+        max_len=max_len,
+        reqs=reqs,
+        stats=stats,
+        timer=timer,
+    )
     t0 = timer.now()
     with torch.inference_mode():
         (_autoregressive if method == "autoregressive" else _speculative)(run, prompts)

@@ -8,12 +8,17 @@ draw (prefill, then one per round), so no (offset, row, node) is ever reused wit
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from kdtree_engine.ref.sampling import sampling_cutoffs
 from kdtree_engine.tree import AcceptResult, DraftTree, accept_greedy, accept_sampled
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -25,12 +30,15 @@ class SamplingParams:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k: expected >= 0, got {self.top_k}")
+        if not _is_real(self.temperature) or not self.temperature >= 0:
+            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(f"top_k: expected an int >= 0, got {self.top_k!r}")
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "top_k", int(self.top_k))
 
     @property
     def greedy(self) -> bool:

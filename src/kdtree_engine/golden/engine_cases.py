@@ -4,26 +4,39 @@ turning on the last bits of a machine's BLAS."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-# name -> (method, budget, drafter kind, prompts, new tokens)
-CASES: dict[str, tuple[str, int, str, list[list[int]], int]] = {
-    "engine_autoregressive": ("autoregressive", 0, "oracle", [[1, 17, 42, 5], [99, 23]], 12),
-    "engine_ddtree_oracle": ("ddtree", 8, "oracle", [[1, 17, 42, 5], [99, 23]], 12),
-    "engine_ddtree_random_drafter": ("ddtree", 4, "random", [[7, 3, 11]], 8),
+
+@dataclass(frozen=True)
+class EngineCase:
+    method: str
+    budget: int  # DDTree nodes; 0 here means the default (block_size - 1)
+    drafter: str  # demo drafter kind: "oracle" or "random"
+    prompts: list[list[int]]
+    new_tokens: int
+
+
+CASES: dict[str, EngineCase] = {
+    "engine_autoregressive": EngineCase("autoregressive", 0, "oracle", [[1, 17, 42, 5], [99, 23]], 12),
+    "engine_ddtree_oracle": EngineCase("ddtree", 8, "oracle", [[1, 17, 42, 5], [99, 23]], 12),
+    "engine_ddtree_random_drafter": EngineCase("ddtree", 4, "random", [[7, 3, 11]], 8),
 }
 
 
 def run_case(name: str, impl: str | None = None):
     """Runs the case; returns (prompts, GenerationOutput)."""
-    from kdtree_engine.engine import generate
+    from kdtree_engine.engine import GenerationConfig, generate
     from kdtree_engine.engine.demo import demo_drafter, demo_target
 
-    method, budget, kind, prompts, n = CASES[name]
+    case = CASES[name]
     target = demo_target(dtype=torch.float64)
-    drafter = demo_drafter(kind, target, prompts, n, block_size=8)
-    out = generate(target, drafter, prompts, n, method=method, budget=budget or None, impl=impl)
-    return prompts, out
+    drafter = demo_drafter(case.drafter, target, case.prompts, case.new_tokens, block_size=8)
+    config = GenerationConfig(
+        max_new_tokens=case.new_tokens, method=case.method, budget=case.budget or None, impl=impl
+    )
+    return case.prompts, generate(target, drafter, case.prompts, config)
 
 
 def make_case(name: str) -> tuple[dict[str, torch.Tensor], int, dict]:
@@ -36,6 +49,12 @@ def make_case(name: str) -> tuple[dict[str, torch.Tensor], int, dict]:
         "out.tokens": tokens,
         "out.target_forwards": torch.tensor([out.stats.target_forwards]),
     }
-    method, budget, kind, _, n = CASES[name]
-    params = {"method": method, "budget": budget, "drafter": kind, "prompts": prompts, "new_tokens": n}
+    case = CASES[name]
+    params = {
+        "method": case.method,
+        "budget": case.budget,
+        "drafter": case.drafter,
+        "prompts": prompts,
+        "new_tokens": case.new_tokens,
+    }
     return tensors, 0, params

@@ -2,7 +2,7 @@
 
 from kdtree_engine.model.cache import LatentKVCache
 from kdtree_engine.model.config import ModelConfig
-from kdtree_engine.model.generate import generate
+from kdtree_engine.model.greedy import greedy_generate
 from kdtree_engine.model.loader import load_model
 from kdtree_engine.model.model import DeepseekV3ForCausalLM, ForwardOutput
 from kdtree_engine.model.testing import random_model, tiny_config
@@ -12,7 +12,7 @@ __all__ = [
     "ForwardOutput",
     "LatentKVCache",
     "ModelConfig",
-    "generate",
+    "greedy_generate",
     "load_model",
     "random_model",
     "tiny_config",

@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from kdtree_engine.impl import IMPLS
 from kdtree_engine.tree import accept_greedy, build_tree_from_logits, compile_tree
 
 
@@ -15,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=12, help="vocabulary size V")
     parser.add_argument("--budget", type=int, default=8, help="tree nodes, root not counted")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--impl", choices=["ref", "triton"], default=None)
+    parser.add_argument("--impl", choices=IMPLS, default=None, help="default: the fastest that applies")
 
 
 def render(tree, b: int = 0) -> list[str]:

@@ -1,4 +1,5 @@
-"""Greedy autoregressive generation on the latent cache (the baseline DDTree must equal token for token)."""
+"""Plain greedy autoregressive decoding on the latent cache: the baseline that greedy DDTree must equal
+token for token. The speculative engine is kdtree_engine.engine.generate."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor,
 
 
 @torch.no_grad()
-def generate(
+def greedy_generate(
     model: DeepseekV3ForCausalLM,
     input_ids: torch.Tensor | Sequence[Sequence[int]],
     max_new_tokens: int,
@@ -29,8 +30,9 @@ def generate(
     eos_token_id: int | None = None,
     impl: str | None = None,
 ) -> list[list[int]]:
-    """Greedy decoding. input_ids: [b, t] int64 or a list of b ragged prompts. Returns per request the
-    new tokens only (at most max_new_tokens; stops after eos_token_id when given)."""
+    """Greedy decoding. input_ids: [b, t] int64 or a list of b ragged prompts; impl: as for the model
+    forward ("ref", "triton", "hopper" or None). Returns per request the new tokens only (at most
+    max_new_tokens; stops after eos_token_id when given)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
     if isinstance(input_ids, torch.Tensor):

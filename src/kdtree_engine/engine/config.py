@@ -1,0 +1,82 @@
+"""GenerationConfig: everything that decides what generate() produces, validated once, at construction.
+
+Checks that need the models (a drafter for the method, token ids inside the vocabulary, prompts inside
+the context) happen in generate(). Every failure is a ValueError that names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kdtree_engine.engine.checks import is_int
+from kdtree_engine.engine.sampling import SamplingParams
+from kdtree_engine.impl import check_impl
+
+METHODS = ("autoregressive", "dflash", "ddtree")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """How to generate.
+
+    max_new_tokens: new tokens per request at most (a request also stops after a stop token and at the
+        target's context length).
+    method: "autoregressive" (no drafter), "dflash" (one chain of the drafter's L = block_size - 1
+        positions) or "ddtree" (a best-first tree of `budget` nodes).
+    budget: DDTree nodes per round, root not counted; None means L. 0 verifies the root only (one token
+        per round). Ignored by "autoregressive" and "dflash".
+    sampling: temperature 0 is greedy; otherwise the target's token at every node is sampled (tempered,
+        top-k, top-p).
+    seed: key of the sampled mode's counter-based noise (any int >= -2**63, taken mod 2**64), so a run
+        is reproducible.
+    stop_tokens: token ids that end a request (the stop token is kept in the output); any iterable of
+        ints, stored as a tuple (for a checkpoint, typically its eos_token_id).
+    impl: "ref", "triton", "hopper" or None (the fastest that applies), passed unchanged to the target
+        forward and to the tree ops (see kdtree_engine.impl).
+    """
+
+    max_new_tokens: int
+    method: str = "ddtree"
+    budget: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0
+    stop_tokens: tuple[int, ...] = ()
+    impl: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens!r}")
+        if self.budget is not None and (not is_int(self.budget) or self.budget < 0):
+            raise ValueError(
+                f"budget: expected None or an int >= 0 for method {self.method!r}, got {self.budget!r}"
+            )
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling: expected a SamplingParams, got {type(self.sampling).__name__}")
+        if not is_int(self.seed) or self.seed < -(2**63):
+            raise ValueError(f"seed: expected an int >= -2**63, got {self.seed!r}")
+        try:
+            stops = tuple(self.stop_tokens)
+        except TypeError:
+            raise ValueError(f"stop_tokens: expected token ids, got {self.stop_tokens!r}") from None
+        if not all(is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_tokens: expected ints >= 0, got {self.stop_tokens!r}")
+        check_impl(self.impl)
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "budget", None if self.budget is None else int(self.budget))
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in stops))
+
+    def tree_budget(self, block_size: int) -> int:
+        """Nodes verified per round besides the root, for a drafter of `block_size` (bonus + L drafted
+        positions): `budget` (default L) for "ddtree", L for "dflash", 0 for "autoregressive"."""
+        depth = block_size - 1
+        if self.method == "autoregressive":
+            return 0
+        if self.method == "dflash" or self.budget is None:
+            return depth
+        return self.budget
+
+
+__all__ = ["METHODS", "GenerationConfig"]
