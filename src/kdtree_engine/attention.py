@@ -153,17 +153,17 @@ def _plan_hopper(p: Problem, device: torch.device, max_seqlen: int | None, force
 
     sms = _multiprocessors(device)
     blocks = -(-p.rows // hopper.BLOCK_M)
-    sched = schedule.device_schedule(p.seqlens, blocks, sms, hopper.TILE, forced)
     if max_seqlen is not None:  # the host knows the schedule: the exact grid, and a merge only if cut
         host = schedule.schedule(p.b, blocks, -(-max_seqlen // hopper.TILE), sms, forced)
-        programs, merge = host.programs, host.cuts()
-    else:
+        sched, programs, merge = p.seqlens, host.programs, host.cuts()
+    else:  # computed on the device: a grid for any lengths, and the merge always runs
+        host, sched = None, schedule.device_schedule(p.seqlens, blocks, sms, hopper.TILE, forced)
         programs, merge = (p.b * blocks * forced if forced else sms), True
     part = torch.empty(2 * programs, hopper.BLOCK_M, p.d_v, dtype=torch.float32, device=device)
     plse = torch.empty(2 * programs, hopper.BLOCK_M, dtype=torch.float32, device=device)
     pieces = schedule.max_pieces(p.b, blocks, sms, forced)
     cut = schedule.cut_blocks(p.b, blocks, programs, forced)
-    return hopper.Launch(programs, sched, part, plse, merge, cut, pieces)
+    return hopper.Launch(programs, host, sched, part, plse, merge, cut, pieces)
 
 
 def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
@@ -175,7 +175,7 @@ def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
     hopper.run(launch, p, q, kv_cache, out, lse)
     if launch.merge:
         blocks = -(-p.rows // hopper.BLOCK_M)
-        merge_pieces(launch.part, launch.plse, out, lse, launch.sched, p.rows, blocks, hopper.BLOCK_M,
+        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, blocks, hopper.BLOCK_M,
                      launch.cut_blocks, launch.max_pieces)  # fmt: skip
 
 

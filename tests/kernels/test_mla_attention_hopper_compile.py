@@ -30,13 +30,14 @@ box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
 desc = TensorDescriptor(torch.zeros(128, 576, dtype=torch.bfloat16), [128, 576], [576, 1], [64, 64], box)
 SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "seqlens_ptr": "*i32", "bt_ptr": "*i32", "vis_ptr": "*u8",
        "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32", "plse_ptr": "*fp32", "sched_ptr": "*i32"}
-SIG.update({name: "i32" for name in ("T", "H", "M", "MB")})
+SIG.update({name: "i32" for name in ("NT", "PER", "UNITS", "T", "H", "M", "MB")})
 SIG["qk_scale"] = "fp32"
 SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_btb", "stride_vb", "stride_vi")})
-SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "num_warps")})
+SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "SCHED_ON_DEVICE", "num_warps")})
 builds = [("visibility", False, 0), ("visibility", True, 0), ("bits", False, 1), ("causal", False, 2)]
+builds += [("device", False, 0)]  # the schedule read from the device (a captured forward)
 builds += [("ones", False, 1)]  # with the JIT's constexpr specialization of ints equal to 1
-ONES = ("T", "MB", "page_size", "stride_btb")  # t = 1, one row block, a contiguous cache
+ONES = ("T", "MB", "page_size", "stride_btb", "NT", "PER")  # t = 1, one row block, a contiguous cache
 found = {}
 for name, paged, mode in builds:
     sig = dict(SIG)
@@ -45,7 +46,8 @@ for name, paged, mode in builds:
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n == "stride_qb"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
-    cst = {"D_C": 512, "D_R": 64, "PAGED": paged, "MASK_MODE": mode, "num_warps": 4}
+    cst = {"D_C": 512, "D_R": 64, "PAGED": paged, "MASK_MODE": mode, "SCHED_ON_DEVICE": name == "device",
+           "num_warps": 4}
     if name == "ones":  # arguments the partitions get must survive being constexpr
         sig.update({n: "constexpr" for n in ONES})
         cst.update({n: 1 for n in ONES})

@@ -93,7 +93,11 @@ def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare):
     device_sched = sched.device_schedule(lengths.to(torch.int32), blocks, sms, BN, forced)
     assert tuple(device_sched.tolist()) == tuple(s)
     cut = sched.cut_blocks(b, blocks, grid, forced)
-    merge_pieces(part, plse, out, lse, device_sched, rows, blocks, BM, cut, sched.max_pieces(b, blocks, sms, forced))
+    pieces = sched.max_pieces(b, blocks, sms, forced)
+    host_out, host_lse = out.clone(), lse.clone()
+    merge_pieces(part, plse, out, lse, device_sched, rows, blocks, BM, cut, pieces)
+    merge_pieces(part, plse, host_out, host_lse, tuple(s), rows, blocks, BM, cut, pieces)  # from the host
+    assert torch.equal(host_out.nan_to_num(7.0), out.nan_to_num(7.0)) and torch.equal(host_lse, lse)
     want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c)
     assert_close("out", out.view(b, t, h, d_c), want_out, 1e-4)
     assert_close("lse", lse.view(b, t, h), want_lse, 1e-4)

@@ -37,6 +37,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem
+from kdtree_engine.kernels.mla_attention_schedule import Schedule
 
 BLOCK_M = 64  # query rows per row block
 TILE = 64  # cache slots per tile
@@ -443,7 +444,10 @@ def _attention_kernel(
     lse_ptr,  # [b, M] float32
     part_ptr,  # [2 * programs, BM, D_C] float32: the pieces of cut row blocks
     plse_ptr,  # [2 * programs, BM] float32
-    sched_ptr,  # int32 [4]: NT, PER, units, programs (mla_attention_schedule)
+    sched_ptr,  # int32 [4]: NT, PER, units, programs (mla_attention_schedule), when SCHED_ON_DEVICE
+    NT,  # else the schedule from the host: tiles per row block,
+    PER,  # tiles per program,
+    UNITS,  # and units
     T,
     H,
     M,
@@ -459,14 +463,21 @@ def _attention_kernel(
     D_R: gl.constexpr,
     PAGED: gl.constexpr,
     MASK_MODE: gl.constexpr,
+    SCHED_ON_DEVICE: gl.constexpr,
     num_warps: gl.constexpr,  # 4: warpgroup 0; warpgroup 1 is the worker partition
 ):
     c = gl.program_id(0)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    nt = gl.load(sched_ptr)
-    per = gl.load(sched_ptr + 1)
+    if SCHED_ON_DEVICE:
+        nt = gl.load(sched_ptr)
+        per = gl.load(sched_ptr + 1)
+        units = gl.load(sched_ptr + 2)
+    else:
+        nt = gl.to_tensor(NT)
+        per = gl.to_tensor(PER)
+        units = gl.to_tensor(UNITS)
     u0 = c * per
-    u1 = gl.minimum(u0 + per, gl.load(sched_ptr + 2))
+    u1 = gl.minimum(u0 + per, units)
     qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_C], dtype)
     qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_R], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
@@ -501,11 +512,13 @@ def _attention_kernel(
 
 @dataclass(frozen=True)
 class Launch:
-    """One forward's launch of the kernel: the grid (programs), the schedule on the device, the piece
-    workspace, and whether the merge must run (False only when the plan knew no row block is cut)."""
+    """One forward's launch of the kernel: the grid (programs), the schedule (from the host when the
+    plan knew the lengths, else on the device), the piece workspace, and whether the merge must run
+    (False only when the plan knew no row block is cut)."""
 
     programs: int
-    sched: torch.Tensor  # int32 [4]
+    host: Schedule | None
+    sched: torch.Tensor  # int32 [4] on the device (when host is None)
     part: torch.Tensor  # [2 * programs, BLOCK_M, d_c] float32
     plse: torch.Tensor  # [2 * programs, BLOCK_M] float32
     merge: bool
@@ -517,9 +530,11 @@ def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out
     """out [b, t, h, d_c], lse [b, t, h] <- the attention of q [b, t, h, d] over kv_cache, with the
     cut row blocks' pieces in the launch's workspace (merged by the caller)."""
     page_size = kv_cache.shape[1] if p.paged else 1
+    nt, per, units = launch.host[:3] if launch.host else (0, 0, 0)
     _attention_kernel[(launch.programs,)](
         q, cache_desc(kv_cache), p.seqlens, p.table, p.mask.tensor, out, lse, launch.part, launch.plse,
-        launch.sched, p.t, p.h, p.rows, -(-p.rows // BLOCK_M), p.qk_scale, kv_cache.shape[1], page_size,
+        launch.sched, nt, per, units, p.t, p.h, p.rows, -(-p.rows // BLOCK_M), p.qk_scale, kv_cache.shape[1], page_size,
         q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
-        D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode, num_warps=4,
+        D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode, SCHED_ON_DEVICE=launch.host is None,
+        num_warps=4,
     )  # fmt: skip

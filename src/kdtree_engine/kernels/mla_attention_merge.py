@@ -78,17 +78,19 @@ def _merge_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, M, num_splits, st
     _store(m, total, acc, out_ptrs, lse_ptr + b.to(tl.int64) * M + rows, row_ok, dc_ok)
 
 
-@triton.jit(do_not_specialize=["M", "MB"])
-def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, M, MB, D_C: tl.constexpr,
-                         BLOCK_DC: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_S: tl.constexpr):  # fmt: skip
+@triton.jit(do_not_specialize=["M", "MB", "NT", "PER", "UNITS"])
+def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, NT, PER, UNITS, M, MB,
+                         D_C: tl.constexpr, BLOCK_DC: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_S: tl.constexpr, SCHED_ON_DEVICE: tl.constexpr):  # fmt: skip
     """Program (j, r): rows r * BLOCK_R .. of the j-th row block that may be cut. With fewer tiles per
     program than per row block (PER < NT) every row block is cut: j is the row block; otherwise a row
     block holds at most one program boundary: j is the boundary, and cuts the block it falls inside."""
     j = tl.program_id(0)
-    nt = tl.load(sched_ptr)
-    per = tl.load(sched_ptr + 1)
-    n_units = tl.load(sched_ptr + 2)
+    nt, per, n_units = NT, PER, UNITS  # the schedule from the host, or:
+    if SCHED_ON_DEVICE:
+        nt = tl.load(sched_ptr)
+        per = tl.load(sched_ptr + 1)
+        n_units = tl.load(sched_ptr + 2)
     at = (j + 1) * per  # the first unit of program j + 1
     rb = tl.where(per < nt, j, at // nt)
     if (per < nt) | ((at < n_units) & (at % nt != 0)):
@@ -139,12 +141,16 @@ def merge_splits(part: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, lse:
 def merge_pieces(part, plse, out, lse, sched, rows: int, blocks: int, block_m: int, cut_blocks: int,
                  max_pieces: int) -> None:  # fmt: skip
     """The scheduled layout: part [2 * programs, block_m, d_c] float32, plse [2 * programs, block_m],
-    sched int32 [>= 3] (NT, PER, units) on the device; out [b, rows, d_c], lse [b, rows] get the cut
+    sched (NT, PER, units): a tuple of ints from the host, or int32 [>= 3] on the device; out [b, rows,
+    d_c], lse [b, rows] get the cut
     row blocks (blocks per request). cut_blocks bounds how many row blocks are cut (the grid);
     max_pieces bounds the pieces of one row block (sizes the rounds)."""
     d_c = part.shape[2]
     block_r, block_s, warps = _round_shape(max_pieces, part.is_cuda)
+    on_device = isinstance(sched, torch.Tensor)
+    nt, per, units = (0, 0, 0) if on_device else sched[:3]
     _merge_pieces_kernel[(max(cut_blocks, 1), triton.cdiv(block_m, block_r))](
-        part, plse, out, lse, sched, rows, blocks, D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BM=block_m,
-        BLOCK_R=block_r, BLOCK_S=block_s, num_warps=warps,
+        part, plse, out, lse, sched if on_device else plse, nt, per, units, rows, blocks, D_C=d_c,
+        BLOCK_DC=triton.next_power_of_2(d_c), BM=block_m, BLOCK_R=block_r, BLOCK_S=block_s,
+        SCHED_ON_DEVICE=on_device, num_warps=warps,
     )  # fmt: skip
