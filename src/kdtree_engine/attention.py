@@ -101,23 +101,13 @@ def plan_attention(
 
 
 def tree_mla_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    *,
-    softmax_scale: float,
-    d_v: int = 512,
-    visibility: torch.Tensor | None = None,
-    ancestor_bits: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    impl: str | None = None,
+    q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: torch.Tensor, **options
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of t tree (or new) tokens per request over its cached prefix plus the tree itself:
-    plan_attention(...).run(q, kv_cache) (see plan_attention for the arguments). Returns out
-    [b, t, h, d_v] in q's dtype and lse [b, t, h] float32 (float64 for float64 q; natural log)."""
-    plan = plan_attention(q, kv_cache, cache_seqlens, softmax_scale=softmax_scale, d_v=d_v, visibility=visibility,
-                          ancestor_bits=ancestor_bits, block_table=block_table, impl=impl)  # fmt: skip
-    return plan.run(q, kv_cache)
+    """Attention of t tree (or new) tokens per request over its cached prefix plus the tree itself, in
+    one call: plan_attention(q, kv_cache, cache_seqlens, **options).run(q, kv_cache); the arguments
+    are plan_attention's (softmax_scale, d_v, visibility or ancestor_bits, block_table, impl, ...).
+    Returns out [b, t, h, d_v] in q's dtype and lse [b, t, h] float32 (float64 for float64 q)."""
+    return plan_attention(q, kv_cache, cache_seqlens, **options).run(q, kv_cache)
 
 
 def choose_kernel(impl: str | None, q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool) -> str:

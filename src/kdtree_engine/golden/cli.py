@@ -35,9 +35,8 @@ def all_cases(ops: list[str] | None = None):
             yield op, name, module.make_case
 
 
-# Floating-point results of the float32 reference may differ in the last bits between CPUs (MKL picks
-# its kernels per instruction set: 1-4 ulp, 4.8e-7 at most, seen on an AMD EPYC with AVX-512 against the
-# bundles written elsewhere); a stale bundle differs by far more.
+# Floating-point results of the float32 reference may differ in the last few bits between CPUs (MKL
+# picks its kernels per instruction set); a stale bundle differs by far more.
 FLOAT_RTOL, FLOAT_ATOL = 1e-5, 1e-6
 
 

@@ -1,4 +1,4 @@
-"""LatentKVCache: the MLA latent cache, contiguous per request (DESIGN.md sections 2 and 3)."""
+"""LatentKVCache: the MLA latent cache, contiguous per request."""
 
 from __future__ import annotations
 

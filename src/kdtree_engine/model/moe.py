@@ -1,4 +1,4 @@
-"""Dense MLP and the sigmoid-routed mixture of experts (DESIGN.md section 3), HF parameter names."""
+"""Dense MLP and the sigmoid-routed mixture of experts, HF parameter names."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reference tree-verify MLA attention, absorbed form (DESIGN.md section 2). torch float32, CPU or GPU.
+"""Reference tree-verify MLA attention, absorbed form (docs/attention.md). torch float32, CPU or GPU.
 
 Per request b with `cache_seqlens[b]` slots in use, the last t slots hold the tree (or the new tokens
 of a decode / prefill step) and the slots before them the prefix. Query i attends to every prefix slot
