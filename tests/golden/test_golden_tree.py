@@ -14,7 +14,7 @@ HERE = Path(__file__).parent
 
 
 # The Triton interpreter (CPU CI) is slow: it replays the small bundles; a GPU replays them all.
-INTERPRETER_MAX_BUDGET = 8
+INTERPRETER_MAX_BUDGET = 16
 
 
 def impls():
@@ -26,22 +26,18 @@ def impls():
 
 
 def check_from_logits(logits, budget: int, impl: str, t: dict) -> None:
-    """The reference must rebuild the stored tree from the logits. A kernel's logsumexp may round
-    differently from torch's CPU one, so the kernel is held to its contract instead: the stored top-k
-    ids exactly, the log-probs within 1e-5, and its tree equal to the reference's on its own top-k."""
+    """Every impl must rebuild the stored tree from the logits, and the kernel's top-k must be the stored
+    one bit for bit (log-probs included: the normalizer is the same on every device)."""
+    tree = build_tree_from_logits(logits, budget, impl=impl)
+    assert torch.equal(tree.parents.cpu(), t["out.parents"])
+    assert torch.equal(tree.tokens.cpu(), t["out.tokens"])
     if impl == "ref" or budget == 0:
-        tree = build_tree_from_logits(logits, budget, impl=impl)
-        assert torch.equal(tree.parents.cpu(), t["out.parents"])
-        assert torch.equal(tree.tokens.cpu(), t["out.tokens"])
         return
     from kdtree_engine.kernels.tree import logits_topk
 
     lp, ids = logits_topk(logits, min(budget, logits.shape[-1]))
     assert torch.equal(ids.cpu(), t["in.top_ids"])
-    assert torch.allclose(lp.cpu(), t["in.top_logprobs"], rtol=0, atol=1e-5)
-    tree = build_tree_from_logits(logits, budget, impl=impl)
-    want = build_tree(lp.cpu(), ids.cpu(), budget, impl="ref")
-    assert torch.equal(tree.parents.cpu(), want.parents) and torch.equal(tree.tokens.cpu(), want.tokens)
+    assert torch.equal(lp.cpu(), t["in.top_logprobs"])
 
 
 @pytest.mark.parametrize("impl", impls())

@@ -91,8 +91,12 @@ REAL = os.environ.get("KDTREE_SGLANG_DDTREE")
 
 
 @pytest.mark.skipif(not REAL, reason="set KDTREE_SGLANG_DDTREE to an SGLang checkout with the DDTree builder")
-def test_real_sglang_builder_equals_ours():
+def test_real_sglang_builder_equals_ours(monkeypatch):
+    """With its torch.logsumexp replaced by our normalizer, as in test_official.py."""
+    from tests.tree.test_official import our_logsumexp
+
     build = peers.load_sglang(REAL)
+    monkeypatch.setattr(torch, "logsumexp", our_logsumexp)
     for seed in range(200):
         rnd = random.Random(seed)
         g = torch.Generator().manual_seed(seed)

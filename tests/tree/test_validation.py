@@ -68,6 +68,10 @@ def test_build_from_logits_rejects():
         build_tree_from_logits(torch.randn(1, 2, 3), -2)
     with pytest.raises(ValueError, match="impl"):
         build_tree_from_logits(torch.randn(1, 2, 3), 2, impl="cuda")
+    with pytest.raises(ValueError, match="draft_logits"):  # V above 2^22: the normalizer's int64 sum
+        build_tree_from_logits(torch.zeros(1, 1, 2**22 + 1, dtype=torch.bfloat16), 2)
+    with pytest.raises(ValueError, match="draft_logits"):
+        build_tree_from_logits(torch.zeros(1, 1, 0), 2)
 
 
 def test_compile_and_accept_reject():

@@ -136,21 +136,6 @@ def _same_tree(peer_tree, tree, r: int) -> bool:
     )
 
 
-def _try_variant(kernels, logits, budget: int, tree, timed, variant: str) -> float | None:
-    """Times another top-k variant than the default ("thresh"): "fused" (one launch) or the older
-    "compact"; None (and the reason printed) if it fails or builds another tree, so the default
-    columns survive."""
-    try:
-        other = kernels.build_tree_from_logits(logits, budget, topk_variant=variant)
-        if not all(torch.equal(getattr(other, f), getattr(tree, f)) for f in ("tokens", "parents")):
-            print(f"{variant} top-k variant: tree differs from the default variant", file=sys.stderr)
-            return None
-        return timed(lambda: kernels.build_tree_from_logits(logits, budget, topk_variant=variant))
-    except Exception as exc:  # a comparison column must not sink the benchmark
-        print(f"{variant} top-k variant failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return None
-
-
 def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) -> dict:
     from kdtree_engine.kernels import tree as kernels
     from kdtree_engine.ref import tree as ref
@@ -171,8 +156,6 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) 
     row = {"B": b, "budget": budget}
     row["gpu topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
     row["gpu logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
-    for variant in ("fused", "compact"):
-        row[f"gpu logits->tree ({variant})"] = _try_variant(kernels, logits, budget, tree, timed, variant)
     row["gpu compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
     row["gpu accept"] = timed(lambda: kernels.accept_greedy(tree, target))
     lp_host, ids_host = lp.cpu(), ids.cpu()
@@ -192,14 +175,7 @@ def _ratio(a: float | None, b: float | None) -> str | None:
 
 
 def _report(rows: list[dict], peers: list[str], header: str, out: Path) -> str:
-    cols = [
-        "gpu topk->tree",
-        "gpu logits->tree",
-        "gpu logits->tree (fused)",
-        "gpu logits->tree (compact)",
-        "gpu compile",
-        "gpu accept",
-    ]
+    cols = ["gpu topk->tree", "gpu logits->tree", "gpu compile", "gpu accept"]
     cols += ["cpu ref", *peers]
     ratios = [("cpu ref", "gpu topk->tree")] + [
         (p, c) for p in peers for c in ("gpu topk->tree", "gpu logits->tree")

@@ -17,6 +17,7 @@ CASES: dict[str, tuple[int, int, int, int, int, str]] = {
     "tree_budget0": (5, 2, 4, 20, 0, "fp32"),
     "tree_budget1": (6, 2, 4, 20, 1, "bf16_coarse"),
     "tree_budget100": (7, 2, 16, 64, 100, "bf16_coarse"),
+    "tree_tiny_vocab_ties": (8, 4, 7, 3, 16, "bf16_coarse"),
 }
 
 TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -23,15 +23,12 @@ __all__ = [
 ]
 
 
-def build_tree_from_logits(
-    draft_logits: torch.Tensor, budget: int, *, topk_variant: str = "thresh"
-) -> DraftTree:
+def build_tree_from_logits(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     """draft_logits [B, L, V] float (validated) -> DraftTree: top-k (k = min(budget, V)) with the
-    float32 log-softmax, then the best-first build; equal to the reference given the same top-k.
-    topk_variant: see tree_topk.logits_topk."""
+    log-softmax normalizer, then the best-first build; equal to the reference."""
     b, depth, vocab = draft_logits.shape
     if budget == 0 or b * depth == 0:
         lp = torch.zeros((b, depth, 1), dtype=torch.float32, device=draft_logits.device)
         return build_tree(lp, lp.long(), budget)
-    lp, ids = logits_topk(draft_logits, min(budget, vocab), variant=topk_variant)
+    lp, ids = logits_topk(draft_logits, min(budget, vocab))
     return build_tree(lp, ids, budget)

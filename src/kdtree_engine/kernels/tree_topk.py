@@ -1,23 +1,19 @@
-"""Vocab-wide top-k and log-softmax normalizer on the GPU (twin of ref.tree.logits_to_topk).
+"""Vocabulary top-k and log-softmax normalizer of draft logits, the kernel twin of ref.tree.logits_to_topk.
 
-The logits are read once in full. Per chunk of a row (_chunk_partials): the max and the sum of exp
-(for logsumexp), the max of every group of G consecutive logits and of every super group of S logits.
-Per row, the select (_select_thresh_row): the row's logsumexp from the chunk partials; T0 = the k-th
-largest super-group max, a lower bound of the k-th largest logit found by a short bisection over
-V / S values; the groups whose max is >= T0 are listed in one pass over the group maxima, and their
-logits >= T0 (about k) are compacted as int64 keys `ordered(value) << 32 | (2^32 - 1 - id)`, which
-are distinct and order by value, then by smaller id, and sorted in registers. Heavy ties (more than
-MAXG groups or KC logits) take the bisection path (_slow_select: the k-th key by bisection over the
-candidate groups, value bits then id; then the k winners are collected and sorted).
-Variants, same output: "thresh" (default: _partials2_kernel, then _select_thresh_kernel) and
-"fused" (_fused_kernel: one launch; the last program of each row, told by an atomic counter, runs the
-row's select; measured slower on the H200, see logits_topk). Earlier selects, kept for comparison
-(hence the file's length): "compact" (_select_compact_kernel: T = the k-th largest group max by
-bisection over all NG group maxima) and "sort" (_select_kernel: sorts every logit of the candidate
-groups).
-Output: (top_logprobs [B, L, k] float32 = logit - logsumexp, top_ids [B, L, k] int64), ids and their
-order exactly those of ref.tree.topk_stable; the logsumexp is a float32 sum in another order than
-torch's, so log-probs agree to float32 rounding.
+Two launches. `_partials_kernel`, grid (rows, blocks of NORM_BLOCK logits), reads the logits once: per
+block the max of every group of G logits and of every super group of S logits, and the block's
+normalizer partial (its max and the int64 fixed-point sum of exp(x - max)). `_select_kernel`, grid
+(rows,): the row's normalizer from its block partials; T0 = the k-th largest super-group max, a lower
+bound of the k-th largest logit, by bisection over V / S values; the groups whose max is >= T0 are
+listed in one pass over the group maxima, and their logits >= T0 (about k) are compacted as int64 keys
+`ordered(value) << 32 | (2^32 - 1 - id)`, distinct and ordered by value then smaller id, and sorted in
+registers. Heavy ties (more than MAXG groups or KC logits) take the bisection path (_slow_select).
+
+The normalizer runs the operations of ref.tree.log_normalizer one for one: IEEE-754 adds, multiplies,
+max, conversions and integer bit manipulation, no library exp or log, launched with fused
+multiply-add off, and integer sums, so it is bit for bit the reference's on any device.
+Output: (top_logprobs [B, L, k] float32 = logit - normalizer, top_ids [B, L, k] int64), equal to
+ref.tree.logits_to_topk.
 """
 
 from __future__ import annotations
@@ -31,10 +27,83 @@ import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 from kdtree_engine.kernels._device import multiprocessors
+from kdtree_engine.ref import tree as ref
 
 LOW32 = tl.constexpr(0xFFFFFFFF)
-LOG2E = tl.constexpr(1.4426950408889634)
 NONE = tl.constexpr(-(2**63))  # below every packed key
+LOG2E = tl.constexpr(ref.LOG2E)
+D_MIN = tl.constexpr(ref.D_MIN)
+ROUND = tl.constexpr(ref.ROUND)
+ROUND_BITS = tl.constexpr(0x4B400000)  # the float32 bits of ROUND
+FRAC_BITS = tl.constexpr(ref.FRAC_BITS)
+EXP2_POLY = tl.constexpr(ref.EXP2_POLY)
+LOG1P_POLY = tl.constexpr(ref.LOG1P_POLY)
+SQRT2 = tl.constexpr(ref.SQRT2)
+LN2_HI = tl.constexpr(ref.LN2_HI)
+LN2_LO = tl.constexpr(ref.LN2_LO)
+
+
+@triton.jit
+def _fma(a, b, c, EMULATE: tl.constexpr):
+    """float32 a * b + c rounded once: the GPU's fma, or under the interpreter (whose tl.fma rounds twice)
+    ref.tree.fma32's float64 emulation. a, b, c: float32 tensors of one shape."""
+    if EMULATE:
+        p = a.to(tl.float64) * b.to(tl.float64)
+        c64 = c.to(tl.float64)
+        s = p + c64
+        back = s - p
+        err = (p - (s - back)) + (c64 - back)
+        bits = s.to(tl.int64, bitcast=True)
+        toward = tl.where((err > 0) == (s > 0), 1, -1)
+        bits = tl.where((err != 0) & ((bits & 1) == 0), bits + toward, bits)
+        return bits.to(tl.float64, bitcast=True).to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
+def _exp_nonpositive(d, SHIFT: tl.constexpr, EMULATE: tl.constexpr):
+    """ref.tree.exp_nonpositive(d) * 2^SHIFT, bit for bit (d float32): n is read from the low bits of
+    d log2(e) + ROUND, and 2^(n + SHIFT) is built from its exponent bits."""
+    d = tl.maximum(d, D_MIN)
+    log2e = tl.full(d.shape, LOG2E, tl.float32)
+    rnd = tl.full(d.shape, ROUND, tl.float32)
+    u = _fma(d, log2e, rnd, EMULATE)
+    r = _fma(d, log2e, rnd - u, EMULATE)
+    p = tl.full(d.shape, EXP2_POLY[5], tl.float32)
+    for i in tl.static_range(4, -1, -1):
+        p = _fma(p, r, tl.full(d.shape, EXP2_POLY[i], tl.float32), EMULATE)
+    n = u.to(tl.int32, bitcast=True) - ROUND_BITS
+    return p * ((n + (127 + SHIFT)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _log_fixed(s):
+    """ref.tree.log_fixed: int64 s >= 2^FRAC_BITS -> float64 ln(s 2^-FRAC_BITS), the same operations."""
+    hi = s >> 32
+    f = hi.to(tl.float64) * 4294967296.0 + (s - (hi << 32)).to(tl.float64)
+    bits = f.to(tl.int64, bitcast=True)
+    m = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).to(tl.float64, bitcast=True)
+    big = m > SQRT2
+    m = tl.where(big, m * 0.5, m)
+    e = ((bits >> 52) - 1023 + big.to(tl.int64) - FRAC_BITS).to(tl.float64)
+    t = m - 1.0
+    q = tl.full(t.shape, LOG1P_POLY[10], tl.float64)
+    for i in tl.static_range(9, -1, -1):
+        q = q * t + LOG1P_POLY[i]  # a rounded multiply, then a rounded add
+    return (e * LN2_HI + t * q) + e * LN2_LO
+
+
+@triton.jit
+def _normalizer(bmax_ptr, bsum_ptr, row, NB, NBP: tl.constexpr, EMULATE: tl.constexpr):
+    """ref.tree.log_normalizer of one row from its block partials (max, fixed-point sum)."""
+    b = tl.arange(0, NBP)
+    m_b = tl.load(bmax_ptr + row * NB + b, mask=b < NB, other=float("-inf"))
+    s_b = tl.load(bsum_ptr + row * NB + b, mask=b < NB, other=0)
+    m = tl.max(m_b, axis=0)
+    scaled = s_b.to(tl.float64) * _exp_nonpositive(m_b - m, 0, EMULATE).to(tl.float64)
+    s = tl.sum(scaled.to(tl.int64), axis=0)
+    return (m.to(tl.float64) + _log_fixed(s)).to(tl.float32)
 
 
 @triton.jit
@@ -46,34 +115,14 @@ def _ordered32(x):
 
 
 @triton.jit
-def _ordered(x):
-    """_ordered32 widened to int64 (room for the id below it in packed keys)."""
-    return _ordered32(x).to(tl.int64)
-
-
-@triton.jit
-def _partials_kernel(x_ptr, gmax_ptr, part_ptr, V, NG, NCH, CH: tl.constexpr, G: tl.constexpr):
+def _partials_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, V, NG, NS, NB, CH: tl.constexpr,
+                     G: tl.constexpr, S: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+    """Block c of a row (CH logits, a [CH // G, G] tile: 16-byte loads for bf16 when V is a multiple of
+    8): the max of every group of G and super group of S logits (S a multiple of G dividing CH), the
+    block max and the block's fixed-point sum of exp(x - max) (ref.tree.log_normalizer)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    offs = c * CH + tl.arange(0, CH)
-    x = tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-    groups = c * (CH // G) + tl.arange(0, CH // G)
-    gmax = tl.max(tl.reshape(x, [CH // G, G]), axis=1)
-    tl.store(gmax_ptr + row * NG + groups, gmax, mask=groups < NG)
-    m = tl.max(x, axis=0)
-    s = tl.sum(tl.exp(x - m), axis=0)
-    tl.store(part_ptr + (row * NCH + c) * 2, m)
-    tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
-
-
-@triton.jit
-def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH, CH: tl.constexpr,
-                    G: tl.constexpr, S: tl.constexpr, GROUP_EXP: tl.constexpr = False):  # fmt: skip
-    """Chunk c of a row: the max of every group of G and super group of S logits (S a multiple of G
-    dividing CH) and the chunk's (max, sum exp); the chunk is loaded as a [CH // G, G] tile (16-byte
-    loads for bf16 when V is a multiple of 8). GROUP_EXP: the sum as sum_g exp(gmax_g - m) *
-    sum(exp(x - gmax_g)) (no chunk-wide max before the exps)."""
-    offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]  # [CH // G, G]
+    offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]
     x = tl.load(x_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
     gmax = tl.max(x, axis=1)  # [CH // G]
     groups = c * (CH // G) + tl.arange(0, CH // G)
@@ -82,25 +131,9 @@ def _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH,
     sup = c * (CH // S) + tl.arange(0, CH // S)
     tl.store(smax_ptr + row * NS + sup, smax, mask=sup < NS)
     m = tl.max(gmax, axis=0)
-    # exp(d) as exp2(d * log2 e): the same ex2.approx as tl.exp, without tl.exp's scaling for subnormal
-    # results (terms below 2^-126 of the chunk max are flushed to zero): 3 fewer instructions per logit
-    if GROUP_EXP:
-        g_safe = tl.where(gmax == float("-inf"), 0.0, gmax)  # a group wholly past V
-        per_group = tl.sum(tl.math.exp2((x - g_safe[:, None]) * LOG2E), axis=1)
-        s = tl.sum(per_group * tl.math.exp2((gmax - m) * LOG2E), axis=0)
-    else:
-        s = tl.sum(tl.sum(tl.math.exp2((x - m) * LOG2E), axis=1), axis=0)
-    tl.store(part_ptr + (row * NCH + c) * 2, m)
-    tl.store(part_ptr + (row * NCH + c) * 2 + 1, s)
-
-
-@triton.jit
-def _partials2_kernel(x_ptr, gmax_ptr, smax_ptr, part_ptr, V, NG, NS, NCH, CH: tl.constexpr, G: tl.constexpr,
-                      S: tl.constexpr, GROUP_EXP: tl.constexpr):  # fmt: skip
-    """_partials_kernel plus the super-group maxima, grid (rows, chunks)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, c, V, NG, NS, NCH, CH, G, S, GROUP_EXP)
+    fixed = _exp_nonpositive(x - tl.where(m == float("-inf"), 0.0, m), FRAC_BITS, EMULATE).to(tl.int64)
+    tl.store(bmax_ptr + row * NB + c, m)
+    tl.store(bsum_ptr + row * NB + c, tl.sum(tl.sum(fixed, axis=0), axis=0))  # in-thread sums first
 
 
 @triton.jit
@@ -124,7 +157,8 @@ def _group_keys(x_ptr, glist_ptr, row, V, ncg, t0, TG: tl.constexpr, G: tl.const
     idx = grp[:, None] * G + tl.arange(0, G)[None, :]
     ok = (j < ncg)[:, None] & (idx < V)
     x = tl.load(x_ptr + row * V + idx, mask=ok, other=0.0).to(tl.float32)
-    return tl.reshape(_ordered(x), [TG * G]), tl.reshape(idx, [TG * G]), tl.reshape(ok, [TG * G])
+    key = _ordered32(x).to(tl.int64)
+    return tl.reshape(key, [TG * G]), tl.reshape(idx, [TG * G]), tl.reshape(ok, [TG * G])
 
 
 @triton.jit
@@ -140,23 +174,15 @@ def _count(x_ptr, glist_ptr, row, V, ncg, key_t, id_t, TG: tl.constexpr, G: tl.c
 
 
 @triton.jit
-def _emit(x_ptr, row, V, top, rank, k, lse, lp_out, ids_out):
-    """Writes the first k of the sorted packed keys `top` as (logit - lse, id)."""
+def _emit(top, rank, k, lse, lp_out, ids_out, row):
+    """Writes the first k of the sorted packed keys `top` as (logit - lse, id); the logit is decoded
+    from the key (the map is an involution), so no logits are read again."""
     keep = rank < k
     ids = LOW32 - (top & LOW32)
-    vals = tl.load(x_ptr + row * V + ids, mask=keep, other=0.0).to(tl.float32)
+    key = (top >> 32).to(tl.int32)
+    vals = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     tl.store(ids_out + row * k + rank, ids, mask=keep)
     tl.store(lp_out + row * k + rank, vals - lse, mask=keep)
-
-
-@triton.jit
-def _lse(part_ptr, row, NCH, NCHP: tl.constexpr):
-    """logsumexp of one row from its per-chunk (max, sum exp) partials."""
-    ch = tl.arange(0, NCHP)
-    pm = tl.load(part_ptr + (row * NCH + ch) * 2, mask=ch < NCH, other=float("-inf"))
-    ps = tl.load(part_ptr + (row * NCH + ch) * 2 + 1, mask=ch < NCH, other=0.0)
-    m = tl.max(pm, axis=0)
-    return m + tl.log(tl.sum(ps * tl.exp(pm - m), axis=0))
 
 
 @triton.jit
@@ -165,8 +191,7 @@ def _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out,
     """Exact top-k of one row by bisection over its candidate groups (any number of ties): the k-th
     key's value key first, then among ties on it the id; then the k winners are collected and sorted.
     keys_row: [KP] int64 scratch of this row."""
-    lo_key: tl.constexpr = -(1 << 31)
-    lo = tl.full([], lo_key, tl.int64)
+    lo = tl.full([], -(1 << 31), tl.int64)
     hi = tl.full([], (1 << 31) - 1, tl.int64)
     for _ in range(33):
         mid = lo + (hi - lo + 1) // 2
@@ -192,135 +217,23 @@ def _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out,
     tl.debug_barrier()
     slot = tl.arange(0, KP)
     winners = tl.sort(tl.load(keys_row + slot, mask=slot < k, other=NONE), descending=True)
-    _emit(x_ptr, row, V, winners, slot, k, lse, lp_out, ids_out)
+    _emit(winners, slot, k, lse, lp_out, ids_out, row)
 
 
 @triton.jit
-def _select_kernel(
-    x_ptr,  # [R, V] logits
-    gmax_ptr,  # [R, NG] float32
-    part_ptr,  # [R, NCH, 2] float32
-    glist_ptr,  # [R, NGP] int32 scratch
-    keys_ptr,  # [R, KP] int64 scratch
-    lp_out,  # [R, k] float32
-    ids_out,  # [R, k] int64
-    V,
-    NG,
-    NCH,
-    k,
-    G: tl.constexpr,
-    NGP: tl.constexpr,
-    NCHP: tl.constexpr,
-    MAXG: tl.constexpr,
-    KP: tl.constexpr,
-    TG: tl.constexpr,
-):
+def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, keys_ptr, lp_out, ids_out, V, NG,
+                   NS, NB, k, G: tl.constexpr, NGP: tl.constexpr, NSP: tl.constexpr, NBP: tl.constexpr,
+                   MAXG: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, KS: tl.constexpr, TG: tl.constexpr,
+                   TGM: tl.constexpr, SHIFT: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+    """The select of one row, after _partials_kernel. T0 = the k-th largest super-group max is a lower
+    bound of the k-th largest logit (the k best super groups each hold a logit >= T0), found by
+    bisection over NS values on keys shifted right by SHIFT (the low float32 bits that bf16 / fp16
+    logits leave zero). Every top-k logit is >= T0 and sits in a group whose max is >= T0: one pass
+    over the group maxima in TGM-wide tiles lists those groups (about k for smooth logits); their
+    logits >= T0 are compacted as int64 keys (<= KC) and sorted. More than MAXG groups or KC logits
+    (heavy ties) -> _slow_select. Scratch: glist [R, NGP] int32, keys [R, KS] int64."""
     row = tl.program_id(0).to(tl.int64)
-    lse = _lse(part_ptr, row, NCH, NCHP)
-
-    g = tl.arange(0, NGP)
-    gkey = _ordered(tl.load(gmax_ptr + row * NG + g, mask=g < NG, other=0.0))
-    lo_key: tl.constexpr = -(1 << 31)
-    thr = _kth_largest(gkey, g < NG, k, lo_key, (1 << 31) - 1, 33)
-    thr = tl.where(k > NG, lo_key, thr)  # fewer groups than k: every logit is a candidate
-    cand = (g < NG) & (gkey >= thr)
-    ncg = tl.sum(cand.to(tl.int32), axis=0)
-    glist = glist_ptr + row * NGP
-    tl.store(glist + tl.cumsum(cand.to(tl.int32), axis=0) - 1, g, mask=cand)
-    tl.debug_barrier()
-
-    if ncg <= MAXG:
-        key, idx, ok = _group_keys(x_ptr, glist, row, V, ncg, 0, MAXG, G)
-        packed = tl.where(ok & (key >= thr), (key << 32) + (LOW32 - idx), NONE)
-        top = tl.sort(packed, descending=True)
-        _emit(x_ptr, row, V, top, tl.arange(0, MAXG * G), k, lse, lp_out, ids_out)
-    else:
-        _slow_select(x_ptr, glist, keys_ptr + row * KP, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
-
-
-@triton.jit
-def _select_compact_kernel(
-    x_ptr,  # [R, V] logits
-    gmax_ptr,  # [R, NG] float32
-    part_ptr,  # [R, NCH, 2] float32
-    glist_ptr,  # [R, NGP] int32 scratch
-    keys_ptr,  # [R, KS] int64 scratch
-    lp_out,  # [R, k] float32
-    ids_out,  # [R, k] int64
-    V,
-    NG,
-    NCH,
-    k,
-    G: tl.constexpr,
-    NGP: tl.constexpr,
-    NCHP: tl.constexpr,
-    MAXG: tl.constexpr,
-    KP: tl.constexpr,
-    KC: tl.constexpr,
-    KS: tl.constexpr,
-    TG: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
-    """The "compact" variant of _select_kernel (same output): the group-max bisection runs on keys
-    shifted right by SHIFT (16 for bf16, 13 for fp16: their low float32 bits are zero, so it is exact
-    for them and only a looser, still valid, bound otherwise), and only the candidates >= T (about k)
-    are compacted and sorted, KC at most; more than KC (heavy ties) go to the bisection path."""
-    row = tl.program_id(0).to(tl.int64)
-    lse = _lse(part_ptr, row, NCH, NCHP)
-    g = tl.arange(0, NGP)
-    gkey = _ordered(tl.load(gmax_ptr + row * NG + g, mask=g < NG, other=0.0))
-    lo_key: tl.constexpr = -(1 << 31)
-    hi_key: tl.constexpr = (1 << 31) - 1
-    top = _kth_largest((gkey >> SHIFT).to(tl.int32), g < NG, k, lo_key >> SHIFT, hi_key >> SHIFT, 33 - SHIFT)
-    thr = tl.where(k > NG, lo_key, top << SHIFT)
-    cand = (g < NG) & (gkey >= thr)
-    ncg = tl.sum(cand.to(tl.int32), axis=0)
-    glist = glist_ptr + row * NGP
-    tl.store(glist + tl.cumsum(cand.to(tl.int32), axis=0) - 1, g, mask=cand)
-    tl.debug_barrier()
-
-    done = tl.zeros([], tl.int32)
-    if ncg <= MAXG:
-        key, idx, ok = _group_keys(x_ptr, glist, row, V, ncg, 0, MAXG, G)
-        sel = ok & (key >= thr)
-        nsel = tl.sum(sel.to(tl.int32), axis=0)
-        if nsel <= KC:
-            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(keys_ptr + row * KS + pos, (key << 32) + (LOW32 - idx), mask=sel)
-            tl.debug_barrier()
-            few = tl.arange(0, KC)
-            small = tl.load(keys_ptr + row * KS + few, mask=few < nsel, other=NONE)
-            _emit(x_ptr, row, V, tl.sort(small, descending=True), few, k, lse, lp_out, ids_out)
-            done += 1
-    if done == 0:
-        _slow_select(x_ptr, glist, keys_ptr + row * KS, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
-
-
-@triton.jit
-def _emit_packed(top, rank, k, lse, lp_out, ids_out, row):
-    """Writes the first k of the sorted packed keys `top` as (logit - lse, id); the logit is decoded
-    from the key (the map is an involution), so no logits are read again."""
-    keep = rank < k
-    ids = LOW32 - (top & LOW32)
-    key = (top >> 32).to(tl.int32)
-    vals = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-    tl.store(ids_out + row * k + rank, ids, mask=keep)
-    tl.store(lp_out + row * k + rank, vals - lse, mask=keep)
-
-
-@triton.jit
-def _select_thresh_row(x_ptr, gmax_ptr, smax_ptr, part_ptr, glist_ptr, keys_ptr, lp_out, ids_out, row,
-                       V, NG, NS, NCH, k, G: tl.constexpr, NGP: tl.constexpr, NSP: tl.constexpr,
-                       NCHP: tl.constexpr, MAXG: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr,
-                       KS: tl.constexpr, TG: tl.constexpr, TGM: tl.constexpr,
-                       SHIFT: tl.constexpr):  # fmt: skip
-    """The "thresh" select (same output as _select_kernel). T0 = the k-th largest super-group max (NS of
-    them, S logits each) is a lower bound of the k-th largest logit (the k best super groups each hold
-    a logit >= T0), found by a short bisection over NS values, not over the NG group maxima. Every
-    top-k logit is >= T0 and sits in a group whose max is >= T0: one pass over the group maxima in
-    TGM-wide tiles lists those groups (about k for smooth logits); their logits >= T0 are compacted as
-    int64 keys (<= KC) and sorted. More than MAXG groups or KC logits (heavy ties) -> bisection path."""
-    lse = _lse(part_ptr, row, NCH, NCHP)
+    lse = _normalizer(bmax_ptr, bsum_ptr, row, NB, NBP, EMULATE)
     sidx = tl.arange(0, NSP)
     skey = _ordered32(tl.load(smax_ptr + row * NS + sidx, mask=sidx < NS, other=float("-inf")))
     lo_key: tl.constexpr = -(1 << 31)
@@ -359,228 +272,79 @@ def _select_thresh_row(x_ptr, gmax_ptr, smax_ptr, part_ptr, glist_ptr, keys_ptr,
             tl.debug_barrier()
             few = tl.arange(0, KC)
             small = tl.sort(tl.load(keys_row + few, mask=few < nsel, other=NONE), descending=True)
-            _emit_packed(small, few, k, lse, lp_out, ids_out, row)
+            _emit(small, few, k, lse, lp_out, ids_out, row)
             done += 1
     if done == 0:
         _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
 
 
-@triton.jit
-def _select_thresh_kernel(
-    x_ptr,  # [R, V] logits
-    gmax_ptr,  # [R, NG] float32
-    smax_ptr,  # [R, NS] float32
-    part_ptr,  # [R, NCH, 2] float32
-    glist_ptr,  # [R, NGP] int32 scratch
-    keys_ptr,  # [R, KS] int64 scratch
-    lp_out,  # [R, k] float32
-    ids_out,  # [R, k] int64
-    V,
-    NG,
-    NS,
-    NCH,
-    k,
-    G: tl.constexpr,
-    NGP: tl.constexpr,
-    NSP: tl.constexpr,
-    NCHP: tl.constexpr,
-    MAXG: tl.constexpr,
-    KP: tl.constexpr,
-    KC: tl.constexpr,
-    KS: tl.constexpr,
-    TG: tl.constexpr,
-    TGM: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
-    """The "thresh" select launch, grid (rows,), after _partials2_kernel."""
-    row = tl.program_id(0).to(tl.int64)
-    _select_thresh_row(x_ptr, gmax_ptr, smax_ptr, part_ptr, glist_ptr, keys_ptr, lp_out, ids_out, row,
-                       V, NG, NS, NCH, k, G, NGP, NSP, NCHP, MAXG, KP, KC, KS, TG, TGM, SHIFT)  # fmt: skip
-
-
-@triton.jit
-def _fused_kernel(
-    x_ptr,  # [R, V] logits
-    gmax_ptr,  # [R, NG] float32
-    smax_ptr,  # [R, NS] float32
-    part_ptr,  # [R, NCH, 2] float32
-    count_ptr,  # [R] int32, zero on entry and on exit
-    glist_ptr,  # [R, NGP] int32 scratch
-    keys_ptr,  # [R, KS] int64 scratch
-    lp_out,  # [R, k] float32
-    ids_out,  # [R, k] int64
-    V,
-    NG,
-    NS,
-    NCH,
-    k,
-    CH: tl.constexpr,
-    G: tl.constexpr,
-    S: tl.constexpr,
-    NGP: tl.constexpr,
-    NSP: tl.constexpr,
-    NCHP: tl.constexpr,
-    MAXG: tl.constexpr,
-    KP: tl.constexpr,
-    KC: tl.constexpr,
-    KS: tl.constexpr,
-    TG: tl.constexpr,
-    TGM: tl.constexpr,
-    SHIFT: tl.constexpr,
-):
-    """The "fused" variant, one launch, grid (R * NCH,) with a row's chunks adjacent (so a row's select
-    runs while later rows still stream): each program writes its chunk's partials, then counts itself
-    done on the row's counter; the last of the row (it sees NCH - 1) resets the counter and runs the
-    "thresh" select. The barrier orders every thread's stores before the counter update; the update is
-    acq_rel at GPU scope (Triton's defaults), so the other programs' stores, released by their updates,
-    are visible to the last program's reads."""
-    pid = tl.program_id(0)
-    row = (pid // NCH).to(tl.int64)
-    _chunk_partials(x_ptr, gmax_ptr, smax_ptr, part_ptr, row, pid % NCH, V, NG, NS, NCH, CH, G, S)
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == NCH - 1:
-        tl.store(count_ptr + row, 0)  # every program of the row has counted: no other access this launch
-        _select_thresh_row(x_ptr, gmax_ptr, smax_ptr, part_ptr, glist_ptr, keys_ptr, lp_out, ids_out,
-                           row, V, NG, NS, NCH, k, G, NGP, NSP, NCHP, MAXG, KP, KC, KS, TG, TGM,
-                           SHIFT)  # fmt: skip
-
-
-VARIANTS = ("fused", "thresh", "compact", "sort")
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}  # float32 bits that are always zero
 
 
-def logits_topk(
-    logits: torch.Tensor,
-    k: int,
-    *,
-    variant: str = "thresh",
-    counter: torch.Tensor | None = None,
-    group: int | None = None,
-    max_groups: int | None = None,
-    max_compact: int | None = None,
-    chunk: int | None = None,
-    super_group: int | None = None,
-    partial_warps: int | None = None,
-    select_warps: int | None = None,
-    select_maxnreg: int | None = None,
-    group_exp: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, L, V] float (validated, V >= 1), 1 <= k <= V ->
-    (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), as ref.tree.logits_to_topk.
-
-    variant: "thresh" (default: _partials2_kernel then _select_thresh_kernel: a threshold from
-    super-group maxima, then only the logits >= it are sorted; 115 us at B=64, L=15, V=163840, k=32,
-    bf16, on the H200, 2026-12-02 16:22 UTC, against 71 us for a Triton kernel that only reads the same
-    logits and 97 us for torch.amax), "fused" (the
-    same partials and select in one launch, the last program of each row doing the select; 183 us:
-    the selects hold their block slots and slow the stream), "compact" (bisection over all group
-    maxima; 198 us) or "sort" (sorts every logit of the candidate groups; 443 us); same output.
-    counter ("fused" only): int32 [B * L] zeros on the logits' device, left zeroed by the launch; the
-    caller keeps it and must not share it between launches that may overlap (another stream, another
-    graph). Default: a fresh zeroed buffer per call (one memset), safe everywhere.
-    Tuning knobs (tests shrink them to reach the fallbacks at small shapes): group (G logits per
-    group max), max_groups (MAXG, the fast path's capacity in groups), max_compact (KC, its capacity
-    in logits), chunk (logits per program of the partials; default 2048 for "thresh", 8192 for
-    "fused", 4096 otherwise), super_group (S, "thresh" / "fused"; default 1024 for "thresh", 512 for
-    "fused"), partial_warps (the partials' warps, the "fused" launch's too; default 1 for "thresh": one
-    warp per 2048 logits needs no cross-warp reduction, measured 89 against 97 us for 4 warps per
-    8192; 4 otherwise) / select_warps and select_maxnreg ("thresh" only: the select launch's warps and
-    a register cap per thread, so that more rows' selects are resident at once; default: 2 warps
-    capped at 128 registers when there are more than 4 rows per multiprocessor, measured 29 against
-    37 us at B=64, L=15 on the H200, else 4 warps at the compiler's choice), group_exp ("thresh"
-    only: the partials sum exp(x - group max) per group, then scale by exp(group max - chunk max), so
-    the exps need no chunk-wide max first; one more exp per group). Under the Triton
-    interpreter (CPU) the defaults are smaller, as its register sort costs seconds per row at the GPU's
-    sizes.
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant: expected one of {VARIANTS}, got {variant!r}")
-    if counter is not None:
-        rows = logits.shape[0] * logits.shape[1]
-        if variant != "fused" or counter.dtype != torch.int32 or counter.shape != (rows,):
-            raise ValueError(f"counter: expected int32 [{rows}] with variant 'fused', got "
-                             f"{counter.dtype} {list(counter.shape)} with {variant!r}")  # fmt: skip
-        if counter.device != logits.device or not counter.is_contiguous():
-            raise ValueError(f"counter: expected contiguous on {logits.device}, got {counter.device}")
-    lp, ids, stages = _plan(logits, k, variant=variant, counter=counter, group=group, max_groups=max_groups,
-                            max_compact=max_compact, chunk=chunk, super_group=super_group,
-                            partial_warps=partial_warps, select_warps=select_warps,
-                            select_maxnreg=select_maxnreg, group_exp=group_exp)  # fmt: skip
-    for launch in stages:
+def logits_topk(logits: torch.Tensor, k: int, **knobs) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, L, V] float (validated, 1 <= V <= ref.tree.MAX_VOCAB), 1 <= k <= V ->
+    (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64), equal to ref.tree.logits_to_topk.
+    knobs: see topk_launches."""
+    lp, ids, launches = topk_launches(logits, k, **knobs)
+    for launch in launches:
         launch()
     return lp, ids
 
 
-def _plan(logits, k, *, variant="thresh", counter=None, group=None, max_groups=None, max_compact=None,
-          chunk=None, super_group=None, partial_warps=None, select_warps=None, select_maxnreg=None,
-          group_exp=False):  # fmt: skip
-    """Output and scratch buffers and the launches of logits_topk as closures (the partials, then the
-    select; one for "fused"), so that scripts/probe_topk.py can time each launch alone."""
+def topk_launches(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, group: int | None = None,
+                  super_group: int | None = None, max_groups: int | None = None,
+                  max_compact: int | None = None, partial_warps: int = 1, select_warps: int | None = None,
+                  select_maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple]:  # fmt: skip
+    """The output buffers of logits_topk and its two launches as closures (the partials, then the
+    select), so that each launch can be timed alone (scripts/probe_topk.py).
+
+    Knobs (tests shrink them to reach the fallbacks at small shapes): block (logits per partials
+    program, a power of two; the normalizer's block, so the reference must be given the same one),
+    group (G, logits per group max), super_group (S), max_groups (MAXG, the fast path's capacity in
+    groups), max_compact (KC, its capacity in logits), partial_warps (warps per partials program),
+    select_warps and select_maxnreg (the select's warps and register cap per thread; default: 2 warps
+    capped at 128 registers when there are more than 4 rows per multiprocessor, so that more rows'
+    selects are resident at once, else 4 warps). Under the Triton interpreter (CPU) the group, super
+    group and fast-path sizes are smaller: its register sort is slow at the GPU's sizes."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    if group is None:
-        group = 8 if interpreting else 32
+    group = group or (8 if interpreting else 32)
+    if block & (block - 1) or not group <= block <= 4096:
+        raise ValueError(f"block: expected a power of two in [{group}, 4096], got {block}")
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         logits = logits.float()
     logits = logits.contiguous()
     b, depth, vocab = logits.shape
-    rows = b * depth
-    dev = logits.device
+    rows, dev = b * depth, logits.device
     lp = torch.empty((b, depth, k), dtype=torch.float32, device=dev)
     ids = torch.empty((b, depth, k), dtype=torch.int64, device=dev)
     if rows == 0:
         return lp, ids, ()
-    chunk = chunk or (1024 if interpreting else {"thresh": 2048, "fused": 8192}.get(variant, 4096))
-    partial_warps = partial_warps or (1 if variant == "thresh" else 4)
-    chunk = max(group, min(chunk, triton.next_power_of_2(vocab)))
-    n_groups, n_chunks = triton.cdiv(vocab, group), triton.cdiv(vocab, chunk)
+    chunk = max(group, min(block, triton.next_power_of_2(vocab)))  # one block: a shorter tile suffices
+    sup = min(chunk, max(group, super_group or (64 if interpreting else 1024)))
+    n_groups, n_sup, n_blocks = triton.cdiv(vocab, group), triton.cdiv(vocab, sup), triton.cdiv(vocab, chunk)
     gmax = torch.empty((rows, n_groups), dtype=torch.float32, device=dev)
-    part = torch.empty((rows, n_chunks, 2), dtype=torch.float32, device=dev)
-    kp = triton.next_power_of_2(k)
-    ngp = triton.next_power_of_2(n_groups)
-    tg = min(32, ngp)
+    smax = torch.empty((rows, n_sup), dtype=torch.float32, device=dev)
+    bmax = torch.empty((rows, n_blocks), dtype=torch.float32, device=dev)
+    bsum = torch.empty((rows, n_blocks), dtype=torch.int64, device=dev)
+    kp, ngp = triton.next_power_of_2(k), triton.next_power_of_2(n_groups)
+    kc = max_compact or max(64, triton.next_power_of_2(8 * k))
     glist = torch.empty((rows, ngp), dtype=torch.int32, device=dev)
-    nchp = triton.next_power_of_2(n_chunks)
-    shift = _KEY_SHIFT.get(logits.dtype, 0)
-    if variant in ("thresh", "fused"):
-        default_sup = 64 if interpreting else 1024 if variant == "thresh" else 512
-        sup = min(chunk, max(group, super_group or default_sup))
-        n_sup = triton.cdiv(vocab, sup)
-        smax = torch.empty((rows, n_sup), dtype=torch.float32, device=dev)
-        maxg = max_groups or max(16 if interpreting else 64, triton.next_power_of_2(4 * k))
-        kc = max_compact or max(64, triton.next_power_of_2(8 * k))
-        keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
-        sizes = dict(G=group, NGP=ngp, NSP=triton.next_power_of_2(n_sup), NCHP=nchp, MAXG=maxg, KP=kp, KC=kc)
-        sizes.update(KS=max(kp, kc), TG=tg, TGM=min(256 if interpreting else 1024, ngp), SHIFT=shift)
-        head, tail = (logits, gmax, smax, part), (glist, keys, lp, ids, vocab, n_groups, n_sup, n_chunks, k)
-        if variant == "fused":
-            if counter is None:  # stream-ordered by the caching allocator, a memset node under capture
-                counter = torch.zeros(rows, dtype=torch.int32, device=dev)
-            launch = _fused_kernel[(rows * n_chunks,)]
-            sizes.update(CH=chunk, S=sup, num_warps=partial_warps)
-            return lp, ids, (partial(launch, *head, counter, *tail, **sizes),)
-        pargs = (*head, vocab, n_groups, n_sup, n_chunks)
-        launch = _partials2_kernel[(rows, n_chunks)]
-        sizes_p = dict(CH=chunk, G=group, S=sup, GROUP_EXP=group_exp, num_warps=partial_warps)
-        partials = partial(launch, *pargs, **sizes_p)
-        if select_warps is None:  # many rows: twice as many selects resident per multiprocessor
-            many = not interpreting and rows > 4 * multiprocessors(logits.get_device())
-            select_warps, select_maxnreg = (2, select_maxnreg or 128) if many else (4, select_maxnreg)
-        if select_maxnreg:
-            sizes["maxnreg"] = select_maxnreg
-        select = partial(_select_thresh_kernel[(rows,)], *head, *tail, **sizes, num_warps=select_warps)
-        return lp, ids, (partials, select)
-    pargs = (logits, gmax, part, vocab, n_groups, n_chunks)
-    partials = partial(_partials_kernel[(rows, n_chunks)], *pargs, CH=chunk, G=group)
-    if max_groups is None:
-        cap = 512 if interpreting else 8192
-        max_groups = min(cap // group, max(16 if interpreting else 64, triton.next_power_of_2(2 * k)))
-    sizes = dict(G=group, NGP=ngp, NCHP=nchp, MAXG=max_groups, KP=kp, TG=tg)
-    if variant == "sort":
-        keys = torch.empty((rows, kp), dtype=torch.int64, device=dev)
-        args = (logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k)
-        return lp, ids, (partials, partial(_select_kernel[(rows,)], *args, **sizes, num_warps=8))
-    kc = max_compact or min(max_groups * group, max(64, triton.next_power_of_2(4 * k)))
     keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
-    args = (logits, gmax, part, glist, keys, lp, ids, vocab, n_groups, n_chunks, k)
-    sizes.update(KC=kc, KS=max(kp, kc), SHIFT=shift)
-    return lp, ids, (partials, partial(_select_compact_kernel[(rows,)], *args, **sizes, num_warps=4))
+    maxg = max_groups or max(16 if interpreting else 64, triton.next_power_of_2(4 * k))
+    sizes = dict(G=group, NGP=ngp, NSP=triton.next_power_of_2(n_sup), NBP=triton.next_power_of_2(n_blocks),
+                 MAXG=maxg, KP=kp, KC=kc, KS=max(kp, kc), TG=min(32, ngp),
+                 TGM=min(256 if interpreting else 1024, ngp), SHIFT=_KEY_SHIFT.get(logits.dtype, 0),
+                 EMULATE=interpreting)  # fmt: skip
+    if select_warps is None:  # many rows: twice as many selects resident per multiprocessor
+        many = not interpreting and rows > 4 * multiprocessors(logits.get_device())
+        select_warps, select_maxnreg = (2, select_maxnreg or 128) if many else (4, select_maxnreg)
+    if select_maxnreg:
+        sizes["maxnreg"] = select_maxnreg
+    head = (logits, gmax, smax, bmax, bsum)
+    # contraction off: the normalizer's separate multiplies and adds round one by one, as the reference's
+    partials = partial(_partials_kernel[(rows, n_blocks)], *head, vocab, n_groups, n_sup, n_blocks, CH=chunk,
+                       G=group, S=sup, EMULATE=interpreting, num_warps=partial_warps,
+                       enable_fp_fusion=False)  # fmt: skip
+    select = partial(_select_kernel[(rows,)], *head, glist, keys, lp, ids, vocab, n_groups, n_sup, n_blocks,
+                     k, **sizes, num_warps=select_warps, enable_fp_fusion=False)  # fmt: skip
+    return lp, ids, (partials, select)

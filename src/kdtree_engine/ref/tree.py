@@ -1,7 +1,9 @@
-"""Reference DDTree ops: best-first build, compile for verify, greedy accept.
+"""Reference DDTree ops: log-softmax top-k, best-first build, compile for verify, greedy accept.
 
 The build reproduces the official DDTree heap (liranringel/ddtree, `build_ddtree_tree`) exactly:
 float64 scores updated incrementally in the official order, ties broken by the rank path.
+The log-softmax normalizer (log_normalizer) is defined by a fixed sequence of IEEE-754 operations, so
+torch on any device, the Triton interpreter and the compiled kernel compute the same bits.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import heapq
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from kdtree_engine.tree.types import AcceptResult, DraftTree, VerifyInputs
 
@@ -84,17 +87,123 @@ def topk_stable(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.gather(vals, -1, order), torch.gather(idx, -1, order)
 
 
-def logits_to_topk(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """draft_logits [B, L, V] -> (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64),
-    k = min(budget, V).
+# The normalizer's constants. Every float constant is a float32 value, so a kernel may materialize
+# it in float32 and widen it without changing it.
+NORM_BLOCK = 2048  # logits per block: each block's partial is reduced on its own (one kernel program)
+FRAC_BITS = 40  # fixed-point fraction bits of the sums, relative to a block's largest term
+MAX_VOCAB = 2**22  # the int64 row sum stays below 2^63: V * sqrt(2) * 2^FRAC_BITS < 2^63
+LOG2E = 1.4426950216293335  # log2(e) rounded to float32
+D_MIN = -44.0  # exp_nonpositive clamps d here: 2^FRAC_BITS exp(-44) and 2^52 exp(-44) are < 1
+ROUND = 12582912.0  # 1.5 * 2^23: in [2^23, 2^24) the float32 spacing is 1, so x + ROUND rounds x
+EXP2_POLY = (  # 2^r for r in [-1/2, 1/2], Horner with fused multiply-adds in float32: relative error < 1.6e-7
+    1.0,
+    0.6931470036506653,
+    0.24022246897220612,
+    0.0555071122944355,
+    0.009671294130384922,
+    0.0013269407209008932,
+)
+LOG1P_POLY = (  # ln(1 + t) / t for t in [sqrt(1/2) - 1, sqrt(2) - 1], Horner in float64: error < 4e-10
+    1.0,
+    -0.5,
+    0.3333331048488617,
+    -0.24999986588954926,
+    0.20002223551273346,
+    -0.16669249534606934,
+    0.14218716323375702,
+    -0.12384402006864548,
+    0.11872619390487671,
+    -0.11789370328187943,
+    0.06915612518787384,
+)
+SQRT2 = 1.4142135381698608  # float32(sqrt(2)): mantissas above it are halved
+LN2_HI, LN2_LO = 0.6931471824645996, -1.9046542121259336e-09  # ln 2 = LN2_HI + LN2_LO to 2^-53
 
-    Same float32 arithmetic as the official builder: top-k of the logits minus their logsumexp.
-    """
+
+def fma32(a: torch.Tensor, b, c) -> torch.Tensor:
+    """float32 a * b + c rounded once (IEEE-754 fusedMultiplyAdd, what a GPU's fma does); b, c: float32
+    tensors or float32-exact floats. The product is exact in float64; the float64 sum is made round-to-odd
+    (an inexact result with an even last bit moves one ulp toward the exact sum, whose sign TwoSum gives),
+    and rounding that to float32 is the correct rounding (Boldo and Melquiond: 53 >= 24 + 2 bits)."""
+    p = a.double() * b
+    c = torch.as_tensor(c, dtype=torch.float64)
+    s = p + c
+    back = s - p
+    err = (p - (s - back)) + (c - back)  # p + c = s + err exactly
+    bits = s.view(torch.int64)
+    toward = torch.where((err > 0) == (s > 0), 1, -1)  # +1 on the bits: one ulp away from zero
+    return torch.where((err != 0) & (bits & 1 == 0), bits + toward, bits).view(torch.float64).float()
+
+
+def exp_nonpositive(d: torch.Tensor) -> torch.Tensor:
+    """float32 d <= 0 (-inf allowed) -> float32 exp(max(d, D_MIN)), relative error < 1.6e-7 + 1.5e-8 |d|.
+
+    d log2(e) = n + r with n the nearest integer (from the low bits of d log2(e) + ROUND) and r in
+    [-1/2, 1/2] (one rounding); 2^r is a polynomial and 2^n is built from its exponent bits, so the
+    product is exact."""
+    d = torch.clamp_min(d, D_MIN)
+    n = fma32(d, LOG2E, ROUND) - ROUND
+    r = fma32(d, LOG2E, -n)
+    p = torch.full_like(r, EXP2_POLY[-1])
+    for c in reversed(EXP2_POLY[:-1]):
+        p = fma32(p, r, c)
+    return p * ((n.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def log_fixed(s: torch.Tensor) -> torch.Tensor:
+    """int64 s >= 2^FRAC_BITS -> float64 ln(s 2^-FRAC_BITS), error < 1e-9: s rounded once to float64
+    (its two 32-bit halves are exact), split as m 2^e with m in [sqrt(1/2), sqrt(2)], ln m a polynomial."""
+    hi = s >> 32
+    f = hi.double() * 4294967296.0 + (s - (hi << 32)).double()
+    bits = f.view(torch.int64)
+    m = ((bits & (2**52 - 1)) | (1023 << 52)).view(torch.float64)  # f = m 2^e, m in [1, 2)
+    big = m > SQRT2
+    m = torch.where(big, m * 0.5, m)
+    e = ((bits >> 52) - 1023 + big.long() - FRAC_BITS).double()
+    t = m - 1.0
+    q = torch.full_like(t, LOG1P_POLY[-1])
+    for c in reversed(LOG1P_POLY[:-1]):
+        q = q * t + c  # a rounded multiply, then a rounded add
+    return (e * LN2_HI + t * q) + e * LN2_LO
+
+
+def log_normalizer(logits: torch.Tensor, *, block: int = NORM_BLOCK) -> torch.Tensor:
+    """logits [..., V] float32 (V <= MAX_VOCAB, each row with a value > -inf) -> [..., 1] float32, the
+    row's logsumexp within about 2e-7 of max(1, |logsumexp|).
+
+    Every step is exact or one IEEE-754 rounding (add, multiply, fused multiply-add, conversion; no
+    library exp or log), and the sums are integers, so the result depends neither on the summation
+    order nor on the device. The row is cut into blocks of `block` logits (padded with -inf), as a
+    kernel reads it in one pass without knowing the row max: block b, with max m_b, sums
+    trunc(exp_nonpositive(x - m_b) 2^FRAC_BITS) exactly in int64; with m the row max, each block sum
+    is rescaled to trunc(float64(s_b) float64(exp_nonpositive(m_b - m))) and the int64 results are
+    added into S; the normalizer is float32(float64(m) + log_fixed(S)). S >= 2^FRAC_BITS (the largest
+    logit's term is exactly 2^FRAC_BITS), so the normalizer is >= m and every log-prob <= 0."""
+    if not 0 < block <= 4096:
+        raise ValueError(
+            f"block: expected 1..4096 (the int64 block sum must stay exact in float64), got {block}"
+        )
+    v = logits.shape[-1]
+    x = F.pad(logits, (0, -v % block), value=float("-inf")).unflatten(-1, (-1, block))
+    m_b = x.amax(-1, keepdim=True)
+    d = x - torch.where(m_b == float("-inf"), 0.0, m_b)
+    s_b = (exp_nonpositive(d) * float(2**FRAC_BITS)).long().sum(-1)
+    m_b = m_b.squeeze(-1)
+    m = m_b.amax(-1, keepdim=True)
+    s = (s_b.double() * exp_nonpositive(m_b - m).double()).long().sum(-1, keepdim=True)
+    return (m.double() + log_fixed(s)).float()
+
+
+def logits_to_topk(
+    draft_logits: torch.Tensor, budget: int, *, block: int = NORM_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_logits [B, L, V] -> (top_logprobs [B, L, k] float32, top_ids [B, L, k] int64),
+    k = min(budget, V): the top-k of the float32 logits (ties: smaller id first) minus
+    log_normalizer (`block`: its block size, to be changed by tests only)."""
     logits = draft_logits.float()
     k = min(budget, logits.shape[-1])
     top_vals, top_ids = topk_stable(logits, k)
-    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return top_vals - log_z, top_ids
+    return top_vals - log_normalizer(logits, block=block), top_ids
 
 
 def compile_tree(tree: DraftTree, root_tokens: torch.Tensor, start_positions: torch.Tensor) -> VerifyInputs:

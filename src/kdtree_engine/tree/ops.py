@@ -45,15 +45,18 @@ def build_tree(
 def build_tree_from_logits(
     draft_logits, budget: int, *, impl: str | None = None, validate: bool = True
 ) -> DraftTree:
-    """draft_logits [B, L, V] (any float dtype; [L, V] is taken as B=1): float32 log-softmax, top-k with
-    k = min(budget, V) (ties: smaller token id first), then build_tree."""
+    """draft_logits [B, L, V] (any float dtype; [L, V] is taken as B=1; 1 <= V <= 2^22): top-k with
+    k = min(budget, V) (ties: smaller token id first) of the float32 logits minus the log-softmax
+    normalizer (ref.tree.log_normalizer: bit-identical on every device and impl), then build_tree."""
     budget = v.check_int(budget, "budget")
     logits = v.as_tensor(draft_logits, "draft_logits")
     if logits.dim() == 2:
         logits = logits.unsqueeze(0)
     v.check_rank(logits, "draft_logits", 3, "[B, L, V]")
-    if logits.shape[-1] == 0:
-        raise ValueError("draft_logits: V (last dim) must be >= 1")
+    if not 1 <= logits.shape[-1] <= ref.MAX_VOCAB:
+        raise ValueError(
+            f"draft_logits: V (last dim) must be in [1, {ref.MAX_VOCAB}], got {logits.shape[-1]}"
+        )
     v.require_float(logits, "draft_logits")
     if validate and v.can_read(logits):
         v.check_finite(logits, "draft_logits")
