@@ -18,8 +18,7 @@ status=0
   >"$R/device.txt" 2>&1
 cat "$R/device.txt"
 # Each step has a time limit (seconds, overridable); the defaults add up to 585 s, inside one 600 s device
-# call (2026-12-02 on the H200: 417 tests 243 s with 8 workers, demo ~10, tree ~60, attention ~130, top-k
-# ~25; 487 tests after the "pipe" kernel did not finish in 240 s with 8 workers: 12 now).
+# call.
 T_TESTS=${T_TESTS:-300} T_DEMO=${T_DEMO:-25} T_TREE=${T_TREE:-70} T_ATTN=${T_ATTN:-150} T_TOPK=${T_TOPK:-40}
 # pytest-xdist, where installed, spreads the Triton compiles of the GPU sweep over the CPU cores.
 xdist=()
@@ -43,7 +42,7 @@ if [ "$what" != tests ]; then
   timeout "$T_ATTN" python3 -m kdtree_engine bench attention --out "$R/attention" --heads 64 8 \
     --tokens 1 9 33 --seqlens 4096 32768 --batch 16 --rep 30 2>&1 | tee "$R/bench_attention.log" \
     || status=1
-  # per-launch times of the vocab top-k variants (partials / select), exactness checked
+  # per-launch times of the vocabulary top-k (partials / select) and of a read-only pass, exactness checked
   sweep=()
   [ "${PROBE_SWEEP:-0}" = 1 ] && sweep=(--sweep)
   timeout "$T_TOPK" python3 scripts/probe_topk.py --out "$R/topk" --budget-s $((T_TOPK - 20)) "${sweep[@]}" 2>&1 \

@@ -11,7 +11,7 @@ from kdtree_engine.kernels.tree_build import build_tree
 from kdtree_engine.kernels.tree_compile import compile_tree
 from kdtree_engine.kernels.tree_sample import sample_tokens
 from kdtree_engine.kernels.tree_topk import logits_topk
-from kdtree_engine.tree.types import DraftTree
+from kdtree_engine.tree_types import DraftTree
 
 __all__ = [
     "accept_greedy",

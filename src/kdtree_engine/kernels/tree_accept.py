@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdtree_engine.tree.types import AcceptResult, DraftTree
+from kdtree_engine.tree_types import AcceptResult, DraftTree
 
 
 @triton.jit

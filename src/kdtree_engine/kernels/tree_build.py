@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdtree_engine.tree.types import DraftTree
+from kdtree_engine.tree_types import DraftTree
 
 MAX_BUDGET = 4096  # fields are packed in 15/16-bit lanes; CAP slots live in registers
 MAX_DEPTH = 1024  # lp[:, 0] of every depth is held in registers

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kdtree_engine.tree.types import DraftTree, VerifyInputs
+from kdtree_engine.tree_types import DraftTree, VerifyInputs
 
 
 @triton.jit

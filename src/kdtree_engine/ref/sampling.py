@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from kdtree_engine.ref import tree as ref_tree  # module import: ref.tree may still be initializing
-from kdtree_engine.tree.types import AcceptResult, DraftTree
+from kdtree_engine.tree_types import AcceptResult, DraftTree
 
 
 def float32_temperature(temperature: float) -> float:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kdtree_engine.tree.types import AcceptResult, DraftTree, VerifyInputs
+from kdtree_engine.tree_types import AcceptResult, DraftTree, VerifyInputs
 
 
 def build_one(lp: np.ndarray, ids: np.ndarray, budget: int):

@@ -7,7 +7,7 @@ from kdtree_engine.tree.ops import (
     build_tree_from_logits,
     compile_tree,
 )
-from kdtree_engine.tree.types import AcceptResult, DraftTree, VerifyInputs
+from kdtree_engine.tree_types import AcceptResult, DraftTree, VerifyInputs
 
 __all__ = [
     "AcceptResult",

@@ -10,7 +10,7 @@ from kdtree_engine.impl import resolve_impl
 from kdtree_engine.ref import sampling as ref_sampling
 from kdtree_engine.ref import tree as ref
 from kdtree_engine.tree import validate as v
-from kdtree_engine.tree.types import AcceptResult, DraftTree, VerifyInputs
+from kdtree_engine.tree_types import AcceptResult, DraftTree, VerifyInputs
 
 
 def _kernels():

@@ -1,4 +1,5 @@
-"""Tree data types shared by the reference and the kernels."""
+"""Tree data types (DraftTree, VerifyInputs, AcceptResult) shared by the reference, the kernels and the
+public ops; a module of its own so that the kernels import no public op module."""
 
 from __future__ import annotations
 
