@@ -2,8 +2,9 @@
 
 `plan_attention` validates a forward's inputs once, picks the kernel from the dispatch table, sizes
 its schedule and workspace, and returns an `AttentionPlan` that every layer's `plan.run(q, kv)` reuses.
-`tree_mla_attention` is one plan and one run. The Hopper kernel's schedule is computed on the device
-from the lengths, so a forward captured in a CUDA graph replays correctly for new lengths.
+`tree_mla_attention` is one plan and one run. A plan built without a host read of the lengths (while a
+CUDA graph is captured, or validate=False) computes the Hopper kernel's schedule on the device, so a
+captured forward replays correctly for new lengths.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def _plan_hopper(p: Problem, device: torch.device, max_seqlen: int | None, force
     plse = torch.empty(2 * programs, hopper.BLOCK_M, dtype=torch.float32, device=device)
     pieces = schedule.max_pieces(p.b, blocks, sms, forced)
     cut = schedule.cut_blocks(p.b, blocks, programs, forced)
-    return hopper.Launch(programs, host, sched, part, plse, merge, cut, pieces)
+    return hopper.Launch(programs, blocks, host, sched, part, plse, merge, cut, pieces)
 
 
 def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
@@ -164,8 +165,7 @@ def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
             "the Hopper kernel was planned: this layer's cache must be contiguous and 16-byte aligned too")  # fmt: skip
     hopper.run(launch, p, q, kv_cache, out, lse)
     if launch.merge:
-        blocks = -(-p.rows // hopper.BLOCK_M)
-        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, blocks, hopper.BLOCK_M,
+        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, launch.blocks, hopper.BLOCK_M,
                      launch.cut_blocks, launch.max_pieces)  # fmt: skip
 
 

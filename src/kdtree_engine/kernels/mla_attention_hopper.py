@@ -517,6 +517,7 @@ class Launch:
     (False only when the plan knew no row block is cut)."""
 
     programs: int
+    blocks: int  # row blocks (of BLOCK_M query rows) per request
     host: Schedule | None
     sched: torch.Tensor  # int32 [4] on the device (when host is None)
     part: torch.Tensor  # [2 * programs, BLOCK_M, d_c] float32
@@ -533,7 +534,7 @@ def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out
     nt, per, units = launch.host[:3] if launch.host else (0, 0, 0)
     _attention_kernel[(launch.programs,)](
         q, cache_desc(kv_cache), p.seqlens, p.table, p.mask.tensor, out, lse, launch.part, launch.plse,
-        launch.sched, nt, per, units, p.t, p.h, p.rows, -(-p.rows // BLOCK_M), p.qk_scale, kv_cache.shape[1], page_size,
+        launch.sched, nt, per, units, p.t, p.h, p.rows, launch.blocks, p.qk_scale, kv_cache.shape[1], page_size,
         q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
         D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode, SCHED_ON_DEVICE=launch.host is None,
         num_warps=4,
