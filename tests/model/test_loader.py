@@ -141,7 +141,7 @@ def fp8_checkpoint(tmp_path_factory):
 
     cfg = tiny_config(fp8_block_size=(16, 24))
     tensors, expected = {}, {}
-    for key, w in random_model(cfg, seed=4).state_dict().items():
+    for key, w in _per_expert_state(random_model(cfg, seed=4)):
         name = key if key.startswith("lm_head") else f"model.{key}"
         quantize = w.dim() == 2 and "proj" in key and w.shape[0] * w.shape[1] > 1
         if quantize:
@@ -154,6 +154,17 @@ def fp8_checkpoint(tmp_path_factory):
     return path, expected
 
 
+def _per_expert_state(model):
+    """The model's state as a checkpoint on disk has it: the stacked experts as per-expert tensors."""
+    from kdtree_engine.model.testing import per_expert_tensors
+
+    for key, w in model.state_dict().items():
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            yield from ((k, t.contiguous()) for k, t in per_expert_tensors(key, w))
+        else:
+            yield key, w
+
+
 def test_block_fp8_checkpoint_is_dequantized(fp8_checkpoint) -> None:
     path, expected = fp8_checkpoint
     assert json.loads((path / "config.json").read_text())["quantization_config"]["weight_block_size"] == [
@@ -161,7 +172,7 @@ def test_block_fp8_checkpoint_is_dequantized(fp8_checkpoint) -> None:
         24,
     ]
     model = load_model(path)
-    state = model.state_dict()
+    state = dict(_per_expert_state(model))
     assert state["layers.1.mlp.experts.3.down_proj.weight"].dtype == torch.float32
     for key, want in expected.items():
         assert torch.equal(state[key], want), key

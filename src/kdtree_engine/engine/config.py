@@ -33,6 +33,9 @@ class GenerationConfig:
         ints, stored as a tuple (for a checkpoint, typically its eos_token_id).
     impl: "ref", "triton", "hopper" or None (the fastest that applies), passed unchanged to the target
         forward and to the tree ops (see kdtree_engine.impl).
+    cuda_graphs: capture each stage of a decoding round in a CUDA graph after the first round and
+        replay it; None (default) does so on CUDA with a kernel impl, False runs every round eagerly
+        (same tokens), True requires a CUDA target and a kernel impl.
     """
 
     max_new_tokens: int
@@ -42,6 +45,7 @@ class GenerationConfig:
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
     impl: str | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -63,6 +67,8 @@ class GenerationConfig:
         if not all(is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_tokens: expected ints >= 0, got {self.stop_tokens!r}")
         check_impl(self.impl)
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs: expected None, True or False, got {self.cuda_graphs!r}")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "budget", None if self.budget is None else int(self.budget))
         object.__setattr__(self, "seed", int(self.seed))

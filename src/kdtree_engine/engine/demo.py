@@ -2,8 +2,8 @@
 
 A random target has no trained drafter, so the demo's default drafter is a labelled stand-in,
 `NoisyOracleDrafter`: it is handed the target's greedy continuation (computed up front by plain
-autoregressive decoding) and ranks the true next token first most of the time, second, third or not in
-its top four otherwise. That is the situation DDTree is built for: a single DFlash chain stops at the
+autoregressive decoding) and ranks the true next token first 70% of the time, second 15%, third 10%
+and fourth 5%, on the device. That is the situation DDTree is built for: a single DFlash chain stops at the
 first miss of rank 0, the tree keeps the runners-up. `--demo-drafter random` uses a real, randomly
 initialized DFlash drafter instead (it accepts almost nothing, but exercises the whole architecture).
 """
@@ -36,12 +36,28 @@ class RequestRows:
         return RequestRows([self.rows[i] for i in index.tolist()])
 
 
-class NoisyOracleDrafter:
-    """Drafter interface (block_size, target_layer_ids, new_cache, draft) over known continuations.
+@dataclass
+class RequestIndex:
+    """The device-resident twin of RequestRows: index [B] int64, the request of each batch row."""
 
-    sequences: per request, prompt + the target's greedy continuation. The true token at position p gets
-    rank 0 with probability p_rank[0], rank 1 with p_rank[1], ..., and falls outside the top ranks with
-    the remaining probability (decided by a hash of (seed, p), so it is reproducible)."""
+    index: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> RequestIndex:
+        return RequestIndex(self.index[index])
+
+
+class NoisyOracleDrafter:
+    """A drafter stand-in over known continuations, entirely on the device (no host reads, so a round
+    that calls it can be captured in a CUDA graph). Interface: block_size, target_layer_ids, new_cache,
+    draft.
+
+    sequences: per request, prompt + the target's greedy continuation. At position p the true token
+    gets rank r(p) among the top len(p_rank) + 1 drafted tokens, with r = 0 with probability p_rank[0],
+    1 with p_rank[1], ..., and len(p_rank) otherwise (r(p) is drawn once from `seed`, the same for every
+    request). The ranked tokens get logits 4.0 - 0.7 r; the rest of the vocabulary gets seeded noise
+    around -8 (a table of `noise_rows` random rows, row p mod noise_rows at position p). Past the end of
+    a sequence all ranked tokens are decoys. Acceptance therefore follows a fixed, documented profile:
+    the stand-in measures the engine, not a drafter."""
 
     def __init__(
         self,
@@ -50,39 +66,42 @@ class NoisyOracleDrafter:
         block_size: int = 16,
         p_rank=(0.7, 0.15, 0.1),
         seed: int = 0,
+        device="cpu",
+        noise_rows: int = 16,
     ) -> None:
-        self.sequences, self.vocab, self.block_size = sequences, vocab_size, block_size
-        self.target_layer_ids = (0,)
-        self.cum = torch.tensor(p_rank).cumsum(0)
-        self.seed = seed
+        self.capturable = True  # draft() reads no tensor on the host
+        ranked = len(p_rank) + 1
+        if vocab_size < ranked + 2:
+            raise ValueError(f"vocab_size: the oracle stand-in needs at least {ranked + 2} tokens")
+        self.vocab, self.block_size, self.target_layer_ids = vocab_size, block_size, (0,)
+        gen = torch.Generator().manual_seed(seed)
+        span = max(len(s) for s in sequences) + block_size + 1
+        true = torch.randint(0, vocab_size, (len(sequences), span), generator=gen)
+        for b, seq in enumerate(sequences):
+            true[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.int64)
+        known = torch.arange(span)[None, :] < torch.tensor([len(s) for s in sequences])[:, None]
+        u = torch.rand(span, generator=gen)
+        rank = (torch.tensor(p_rank).cumsum(0)[None, :] <= u[:, None]).sum(1)  # [span]
+        # ranked + 1 distinct decoys per position, none equal to the true token
+        shift = torch.randint(0, vocab_size - ranked - 1, (len(sequences), span, 1), generator=gen)
+        decoys = (true[..., None] + 1 + shift + torch.arange(ranked)) % vocab_size  # [B, span, ranked]
+        slot = torch.arange(ranked)
+        at_rank = (slot[None, None, :] == rank[None, :, None]) & known[..., None]
+        self.top = torch.where(at_rank, true[..., None], decoys).to(device)  # [B, span, ranked]
+        self.top_logits = (4.0 - 0.7 * slot.float()).to(device)  # [ranked]
+        self.noise = (torch.randn(noise_rows, vocab_size, generator=gen) - 8.0).to(device)
 
-    def new_cache(self, batch_size: int, max_len: int) -> RequestRows:
-        return RequestRows(list(range(batch_size)))
-
-    def _rank(self, pos: int) -> int:
-        u = torch.rand(1, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + pos)).item()
-        return int((self.cum <= u).sum())  # == len(p_rank) means "not in the top ranks"
-
-    def _row(self, seq: list[int], pos: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 7919 + pos)
-        logits = torch.randn(self.vocab, generator=gen) - 8.0
-        order = torch.randperm(self.vocab, generator=gen)
-        if pos < len(seq):
-            true = seq[pos]
-            order = order[order != true]
-            order = torch.cat([order[: self._rank(pos)], torch.tensor([true]), order[self._rank(pos) :]])
-        for r, tok in enumerate(order[: len(self.cum) + 1].tolist()):
-            logits[tok] = 4.0 - 0.7 * r
-        return logits
+    def new_cache(self, batch_size: int, max_len: int) -> RequestIndex:
+        return RequestIndex(torch.arange(batch_size, device=self.noise.device))
 
     def draft(self, target, context, context_lens, bonus, start, cache) -> torch.Tensor:
+        """Draft logits [B, L, V] float32 for positions start + 1 .. start + L."""
         depth = self.block_size - 1
-        rows = [
-            self._row(self.sequences[b], s + i)
-            for b, s in enumerate(start.tolist())
-            for i in range(1, depth + 1)
-        ]
-        return torch.stack(rows).view(len(rows) // depth, depth, self.vocab).to(bonus.device)
+        span = self.top.shape[1]
+        pos = start[:, None] + torch.arange(1, depth + 1, device=start.device)  # [B, L]
+        logits = self.noise[pos % self.noise.shape[0]]  # [B, L, V]
+        tokens = self.top[cache.index[:, None], pos.clamp(max=span - 1)]  # [B, L, ranked]
+        return logits.scatter_(2, tokens, self.top_logits.expand_as(tokens).contiguous())
 
 
 def demo_drafter(kind: str, target, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16):
@@ -96,7 +115,7 @@ def demo_drafter(kind: str, target, prompts: list[list[int]], max_new_tokens: in
 
     cont = greedy_generate(target, prompts, max_new_tokens + block_size + 1)
     seqs = [list(p) + c for p, c in zip(prompts, cont)]
-    return NoisyOracleDrafter(seqs, target.config.vocab_size, block_size)
+    return NoisyOracleDrafter(seqs, target.config.vocab_size, block_size, device=target.device)
 
 
-__all__ = ["DEMO_PROMPT", "NoisyOracleDrafter", "RequestRows", "demo_drafter", "demo_target"]
+__all__ = ["DEMO_PROMPT", "NoisyOracleDrafter", "RequestIndex", "RequestRows", "demo_drafter", "demo_target"]

@@ -7,6 +7,12 @@ call, drafts L positions, the tree (root = bonus) is verified in ONE target forw
 KV rows are compacted to start[b]..start[b]+n-1 and the rest dropped, and the target's token at the last
 accepted node becomes the next bonus. DFlash is the same loop with a chain tree, so greedy DDTree,
 greedy DFlash and greedy autoregressive decoding all commit the target's argmax at every position.
+
+A round is a fixed sequence of stages (draft, tree_build, compile, verify, accept) over device tensors
+allocated once (`_State`): no stage reads a tensor on the host, and the batch keeps its rows until every
+request is done (a finished row keeps running but commits nothing). So every stage can be captured in a
+CUDA graph after the first round and replayed (`_Graphs`); the host reads the round's committed tokens
+with one device-to-host copy per round. Eager rounds run the same code, so they give the same tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from kdtree_engine.engine import checks
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.sampling import accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
+from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
 from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
 
@@ -73,34 +80,33 @@ def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
 
 
 @dataclass
-class _Batch:
-    """The requests still running, one batch row each (finished requests are dropped from the batch).
+class _State:
+    """The device tensors of one generate() call, updated in place by every round (CUDA graphs replay
+    on their addresses).
 
-    rows [n] request index of each row; cache: the target's LatentKVCache; dcache: the drafter's cache
-    (None for autoregressive); start [n] cached rows = position of the bonus token; bonus [n] the last
-    committed token, not yet cached; ctx [n, C, F] / ctx_lens [n]: target features the drafter has
-    not seen yet (None for autoregressive)."""
+    cache: the target's LatentKVCache; dcache: the drafter's cache (None for autoregressive); start [B]
+    cached rows = position of the bonus token; bonus [B] the last committed token, not yet cached; active
+    [B] bool: the request still runs; ctx [B, C, F] / ctx_lens [B]: target features the drafter has not
+    seen yet (None for autoregressive); tokens [B, W] / count [B]: what the last round committed per
+    request, for the host (allocated by the first round)."""
 
-    rows: list[int]
     cache: object
     dcache: object | None
     start: torch.Tensor
     bonus: torch.Tensor
+    active: torch.Tensor
     ctx: torch.Tensor | None = None
     ctx_lens: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+    count: torch.Tensor | None = None
 
-    def drop_finished(self, reqs: _Requests) -> None:
-        alive = [i for i, r in enumerate(self.rows) if reqs.active[r]]
-        if not alive or len(alive) == len(self.rows):
-            return
-        idx = torch.tensor(alive, device=self.start.device)
-        self.rows = [self.rows[i] for i in alive]
-        self.cache = type(self.cache)(self.cache.kv.index_select(1, idx), self.cache.seqlens[idx])
-        if self.dcache is not None:
-            self.dcache = self.dcache.select(idx)
-        self.start, self.bonus = self.start[idx], self.bonus[idx]
-        if self.ctx is not None:
-            self.ctx, self.ctx_lens = self.ctx[idx], self.ctx_lens[idx]
+    def put(self, name: str, value: torch.Tensor) -> None:
+        """Writes value into the tensor `name` in place (a new tensor the first time or on a new shape)."""
+        old = getattr(self, name)
+        if old is None or old.shape != value.shape:
+            setattr(self, name, value.clone())
+        else:
+            old.copy_(value)
 
 
 @dataclass
@@ -141,7 +147,7 @@ def _pick(run: _Run, logits: torch.Tensor) -> torch.Tensor:
     return _accept(run, root_tree(logits.shape[0], logits.device), logits[:, None]).bonus
 
 
-def _start(run: _Run, prompts: list[list[int]]) -> _Batch:
+def _prefill(run: _Run, prompts: list[list[int]]) -> _State:
     """Prefill of the ragged prompts, padded to the longest, capturing the drafter's target layers;
     commits each request's first token, chosen from its last real row."""
     b = len(prompts)
@@ -155,81 +161,185 @@ def _start(run: _Run, prompts: list[list[int]]) -> _Batch:
     run.stats.target_forwards += 1
     for r, t in enumerate(bonus.tolist()):
         run.reqs.commit(r, [t])
-    batch = _Batch(
-        rows=list(range(b)),
+    return _State(
         cache=cache,
         dcache=run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None,
-        start=lens,
-        bonus=bonus,
+        start=lens.clone(),
+        bonus=bonus.clone(),
+        active=torch.tensor(run.reqs.active, device=lens.device),
         ctx=out.hidden,
         ctx_lens=lens.clone(),
     )
-    batch.drop_finished(run.reqs)
-    return batch
 
 
-def _autoregressive(run: _Run, prompts: list[list[int]]) -> None:
-    batch, timer = _start(run, prompts), run.timer
-    while any(run.reqs.active):
-        with timer.stage("verify"):
-            logits = run.target(batch.bonus[:, None], batch.cache, impl=run.impl).logits  # [n, 1, V]
-        run.stats.target_forwards += 1
-        with timer.stage("accept"):
-            batch.bonus = _pick(run, logits[:, 0])
-        with timer.stage("commit"):
-            for r, t in zip(batch.rows, batch.bonus.tolist()):
-                run.reqs.commit(r, [t])
-            batch.drop_finished(run.reqs)
+class _Stages:
+    """The stages of one round of run.config.method on `state`, in order, as (name, function, whether
+    it can be captured in a CUDA graph). Each stage reads and writes device tensors only: the state, in
+    place, and the outputs of the stages before it in the round (attributes of this object)."""
 
+    def __init__(self, run: _Run, state: _State) -> None:
+        self.run, self.s = run, state
+        greedy = run.config.sampling.greedy  # sampled accept passes its noise offset from the host
+        if run.config.method == "autoregressive":
+            self.order = [("verify", self.decode, True), ("accept", self.accept_one, greedy)]
+        else:
+            drafter = bool(getattr(run.drafter, "capturable", False))
+            self.order = [
+                ("draft", self.draft, drafter),
+                ("tree_build", self.tree_build, True),
+                ("compile", self.compile, True),
+                ("verify", self.verify, True),
+                ("accept", self.accept, greedy),
+            ]
+        self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
 
-def _build(run: _Run, b: _Batch) -> DraftTree:
-    """One drafter forward -> the DFlash chain or the DDTree of the round."""
-    with run.timer.stage("draft"):
-        draft_logits = run.drafter.draft(run.target, b.ctx, b.ctx_lens, b.bonus, b.start, b.dcache)
-    run.stats.drafter_forwards += 1
-    with run.timer.stage("tree_build"):
+    def _put(self, name: str, value: torch.Tensor) -> None:
+        old = getattr(self, name, None)
+        if self.frozen and old is not None:
+            old.copy_(value)
+        else:
+            setattr(self, name, value)
+
+    def draft(self) -> None:
+        run, s = self.run, self.s
+        self._put("draft_logits", run.drafter.draft(run.target, s.ctx, s.ctx_lens, s.bonus, s.start, s.dcache))
+
+    def tree_build(self) -> None:
+        run = self.run
         if run.config.method == "dflash":
-            return chain_tree(draft_logits)  # [n, L, V] -> L nodes
-        return build_tree_from_logits(draft_logits, run.budget, impl=run.impl, validate=False)
+            self.tree = chain_tree(self.draft_logits)  # [B, L, V] -> L nodes
+        else:
+            self.tree = build_tree_from_logits(self.draft_logits, run.budget, impl=run.impl, validate=False)
+
+    def compile(self) -> None:
+        run, s = self.run, self.s
+        self.vin = compile_tree(self.tree, s.bonus, s.start, impl=run.impl, validate=False)
+        # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
+        pos = self.vin.positions
+        self.positions = pos if run.limit is None else pos.clamp(max=run.limit - 1)
+
+    def verify(self) -> None:
+        run, s = self.run, self.s
+        self.out = run.target(
+            self.vin.input_ids,
+            s.cache,
+            positions=self.positions,
+            visibility=self.vin.visibility,
+            capture_layers=run.capture,
+            impl=run.impl,
+            validate=False,
+        )  # logits [B, N, V], hidden [B, N, F]
+
+    def accept(self) -> None:
+        """The walk, then the commit on the device: the accepted rows of the target cache, their features
+        for the drafter, the committed tokens (accepted nodes after the root, then the bonus token)."""
+        run, s = self.run, self.s
+        acc = _accept(run, self.tree, self.out.logits)
+        n = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
+        s.cache.compact(s.start, acc.accepted, n, validate=False)
+        idx = acc.accepted.clamp(min=0)  # [B, L + 1]
+        hidden = self.out.hidden
+        s.put("ctx", hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1])))
+        s.ctx_lens.copy_(n)
+        tokens = torch.cat([self.vin.input_ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
+        tokens.scatter_(1, (n - 1).clamp(min=0)[:, None], acc.bonus[:, None])
+        s.put("tokens", tokens)
+        s.put("count", n)
+        s.bonus.copy_(torch.where(s.active, acc.bonus, s.bonus))
+        s.start.add_(n)
+
+    def decode(self) -> None:
+        run, s = self.run, self.s
+        lengths = s.active.long()  # a done request rewrites its row and keeps its length
+        self.logits = run.target(s.bonus[:, None], s.cache, lengths=lengths, impl=run.impl, validate=False).logits
+
+    def accept_one(self) -> None:
+        run, s = self.run, self.s
+        token = _pick(run, self.logits[:, 0])
+        n = s.active.long()
+        s.put("tokens", token[:, None])
+        s.put("count", n)
+        s.bonus.copy_(torch.where(s.active, token, s.bonus))
+        s.start.add_(n)
 
 
-def _speculative(run: _Run, prompts: list[list[int]]) -> None:
-    batch, timer = _start(run, prompts), run.timer
+class _Graphs:
+    """The capturable stages of a _Stages, each captured once into a CUDA graph (one memory pool) and
+    replayed every round; the others run eagerly. Capture after one eager round (which compiles the
+    kernels and gives the drafter context its per-round shape)."""
+
+    def __init__(self, stages: _Stages) -> None:
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        pool = torch.cuda.graph_pool_handle()
+        for name, fn, capturable in stages.order:
+            if capturable:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    fn()
+                self.graphs[name] = graph
+        stages.frozen = True
+
+    def run(self, name: str, fn) -> None:
+        graph = self.graphs.get(name)
+        graph.replay() if graph is not None else fn()
+
+
+def _use_graphs(run: _Run, device: torch.device) -> bool:
+    """config.cuda_graphs, or by default: on CUDA with a kernel impl (the "ref" ops read values on the host)."""
+    wanted = run.config.cuda_graphs
+    possible = device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
+    if wanted and not possible:
+        raise ValueError("cuda_graphs: needs a CUDA target and a kernel impl (impl 'triton', 'hopper' or None)")
+    return possible if wanted is None else wanted
+
+
+class _HostCopy:
+    """The round's committed tokens and counts, copied to the host once per round (pinned memory on CUDA)."""
+
+    def __init__(self, state: _State) -> None:
+        cuda = state.tokens.device.type == "cuda"
+        self.tokens = torch.empty(state.tokens.shape, dtype=torch.int64, pin_memory=cuda)
+        self.count = torch.empty(state.count.shape, dtype=torch.int64, pin_memory=cuda)
+        self.done = torch.cuda.Event() if cuda else None
+
+    def read(self, state: _State) -> tuple[list[list[int]], list[int]]:
+        self.tokens.copy_(state.tokens, non_blocking=True)
+        self.count.copy_(state.count, non_blocking=True)
+        if self.done is not None:
+            self.done.record()
+            self.done.synchronize()
+        return self.tokens.tolist(), self.count.tolist()
+
+
+def _commit(run: _Run, state: _State, tokens: list[list[int]], counts: list[int]) -> None:
+    """Hands each running request its tokens of the round; tells the device which requests are done."""
+    was = list(run.reqs.active)
+    for r, (toks, n) in enumerate(zip(tokens, counts)):
+        if was[r]:
+            if run.config.method != "autoregressive":
+                run.stats.accept_lengths.append(n)
+            run.reqs.commit(r, toks[:n])
+    if run.reqs.active != was:
+        state.active.copy_(torch.tensor(run.reqs.active), non_blocking=False)
+
+
+def _decode(run: _Run, state: _State, device: torch.device) -> None:
+    stages, graphs, host = _Stages(run, state), None, None
+    speculative = run.config.method != "autoregressive"
     while any(run.reqs.active):
-        tree = _build(run, batch)
-        with timer.stage("compile"):
-            vin = compile_tree(tree, batch.bonus, batch.start, impl=run.impl)
-            # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
-            positions = vin.positions if run.limit is None else vin.positions.clamp(max=run.limit - 1)
-        with timer.stage("verify"):
-            out = run.target(
-                vin.input_ids,
-                batch.cache,
-                positions=positions,
-                visibility=vin.visibility,
-                capture_layers=run.capture,
-                impl=run.impl,
-            )  # logits [n, N, V]
+        for name, fn, _ in stages.order:
+            with run.timer.stage(name):
+                graphs.run(name, fn) if graphs is not None else fn()
+        run.stats.rounds += 1
         run.stats.target_forwards += 1
-        with timer.stage("accept"):
-            acc = _accept(run, tree, out.logits)
-        with timer.stage("commit"):
-            _commit_round(run, batch, vin, out, acc)
-
-
-def _commit_round(run: _Run, batch: _Batch, vin, out, acc: AcceptResult) -> None:
-    """Keep the accepted rows of the target cache, hand their features to the drafter, commit the
-    tokens of the accepted nodes (root excluded: it was committed last round) and the bonus token.
-    vin: the round's VerifyInputs; out: the verify forward's ForwardOutput."""
-    batch.cache.compact(batch.start, acc.accepted, acc.accept_len)
-    idx = acc.accepted.clamp(min=0)  # [n, L + 1]
-    batch.ctx = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
-    batch.ctx_lens, batch.start, batch.bonus = acc.accept_len, batch.start + acc.accept_len, acc.bonus
-    tokens, lens = vin.input_ids.gather(1, idx).tolist(), acc.accept_len.tolist()
-    for r, toks, n, bonus in zip(batch.rows, tokens, lens, acc.bonus.tolist()):
-        run.stats.accept_lengths.append(n)
-        run.reqs.commit(r, toks[1:n] + [bonus])
-    batch.drop_finished(run.reqs)
+        run.stats.drafter_forwards += int(speculative)
+        host = host or _HostCopy(state)
+        with run.timer.host_stage("commit"):
+            _commit(run, state, *host.read(state))
+        run.timer.collect()
+        if graphs is None and any(run.reqs.active) and _use_graphs(run, device):
+            graphs = _Graphs(stages)
+            run.stats.cuda_graphs = True
 
 
 def generate(
@@ -285,9 +395,12 @@ def generate(
         stats=stats,
         timer=timer,
     )
+    _use_graphs(run, device)  # a ValueError now rather than after the prefill
     t0 = timer.now()
     with torch.inference_mode():
-        (_autoregressive if method == "autoregressive" else _speculative)(run, prompts)
+        state = _prefill(run, prompts)
+        timer.collect()
+        _decode(run, state, device)
     stats.wall_time = timer.now() - t0
     stats.stage_times = dict(timer.times)
     stats.new_tokens = [len(t) for t in reqs.tokens]

@@ -1,5 +1,6 @@
-"""Generation statistics and per-stage timers (CUDA-synchronized on GPU, so a stage's time is the time
-its kernels took, not the time to enqueue them)."""
+"""Generation statistics and per-stage timers. On CUDA the timers record events around each stage and
+read them after the round's one synchronisation, so timing adds no device syncs; on the CPU, where
+work is synchronous, they read the clock."""
 
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ STAGES = ("prefill", "draft", "tree_build", "compile", "verify", "accept", "comm
 
 
 class StageTimer:
-    """Accumulates seconds per stage. enabled=False times nothing (no device syncs between stages, for
-    throughput runs); now() still syncs, for the wall time."""
+    """Accumulates seconds per stage. enabled=False times nothing; now() syncs the device (wall time)."""
 
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
-        self.sync = device.type == "cuda"
+        self.cuda = device.type == "cuda"
         self.enabled = enabled
         self.times = dict.fromkeys(STAGES, 0.0)
+        self._pending: list[tuple[str, object, object]] = []
 
     def now(self) -> float:
-        if self.sync:
+        if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -32,11 +33,37 @@ class StageTimer:
         if not self.enabled:
             yield
             return
-        t0 = self.now()
+        if not self.cuda:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.times[name] += time.perf_counter() - t0
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         try:
             yield
         finally:
-            self.times[name] += self.now() - t0
+            end.record()
+            self._pending.append((name, begin, end))
+
+    @contextmanager
+    def host_stage(self, name: str):
+        """A stage of host work (reading the round's results, committing tokens): the host's clock."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.enabled:
+                self.times[name] += time.perf_counter() - t0
+
+    def collect(self) -> None:
+        """Adds the recorded stages' times; call after a synchronisation that covers them."""
+        for name, begin, end in self._pending:
+            end.synchronize()
+            self.times[name] += begin.elapsed_time(end) / 1e3
+        self._pending.clear()
 
 
 @dataclass
@@ -45,16 +72,19 @@ class GenerationStats:
 
     target_forwards includes the prefill; accept_lengths holds one entry per (request, verify round)
     with the number of tokens that round committed (accepted drafted tokens + the bonus token, i.e.
-    the accepted nodes including the root)."""
+    the accepted nodes including the root). rounds: decoding rounds after the prefill (the batch runs
+    every round, finished requests included, until all are done)."""
 
     method: str
     batch_size: int
     new_tokens: list[int] = field(default_factory=list)
     target_forwards: int = 0
     drafter_forwards: int = 0
+    rounds: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     stage_times: dict[str, float] = field(default_factory=dict)
     wall_time: float = 0.0
+    cuda_graphs: bool = False
 
     @property
     def total_new_tokens(self) -> int:
@@ -84,5 +114,7 @@ class GenerationStats:
             f"{self.target_forwards} target forwards, {self.drafter_forwards} drafter forwards; "
             f"mean accepted length {self.mean_accept_len:.2f}"
             + (f" (histogram {hist})" if hist else "")
-            + f"; {self.tokens_per_s:.1f} tokens/s; stages: {stages}"
+            + f"; {self.tokens_per_s:.1f} tokens/s"
+            + (" (CUDA graphs)" if self.cuda_graphs else "")
+            + f"; stages: {stages}"
         )

@@ -38,12 +38,17 @@ class LatentKVCache:
     def clone(self) -> LatentKVCache:
         return LatentKVCache(self.kv.clone(), self.seqlens.clone())
 
-    def compact(self, start: torch.Tensor, keep: torch.Tensor, keep_len: torch.Tensor) -> None:
-        """Keep only chosen rows after a verify forward, in every layer.
+    def compact(
+        self, start: torch.Tensor, keep: torch.Tensor, keep_len: torch.Tensor, *, validate: bool = True
+    ) -> None:
+        """Keep only chosen rows after a verify forward, in every layer, in place.
 
         start [b] int64: seqlens before the verify forward; keep [b, k] int64: row indices relative to
         start (-1 padded, increasing within the kept part is not required); keep_len [b] int64.
         Row start[b] + keep[b, i] moves to start[b] + i for i < keep_len[b]; seqlens = start + keep_len.
+        The k destination rows start[b] + 0..k-1 must lie in the cache (rows past keep_len are
+        rewritten with their own value). validate=False skips the checks that read values, so the
+        call never waits for the device (indices are then clamped into the cache).
         """
         b, k = keep.shape
         if b != self.batch_size or start.shape != (b,) or keep_len.shape != (b,):
@@ -54,14 +59,18 @@ class LatentKVCache:
         dev = self.kv.device
         start, keep, keep_len = start.to(dev), keep.to(dev), keep_len.to(dev)
         valid = torch.arange(k, device=dev)[None, :] < keep_len[:, None]  # [b, k]
-        if bool((valid & (keep < 0)).any()):
-            raise ValueError("keep: an index inside keep_len is -1")
         src = start[:, None] + keep.clamp(min=0)  # [b, k]
         dst = start[:, None] + torch.arange(k, device=dev)[None, :]
-        if bool((valid & ((src >= self.max_len) | (dst >= self.max_len))).any()):
-            raise ValueError(f"keep: a row index is beyond max_len={self.max_len}")
+        if validate:
+            self._check_compact(valid, keep, src, dst)
         src, dst = src.clamp(max=self.max_len - 1), dst.clamp(max=self.max_len - 1)
+        src = torch.where(valid, src, dst)  # rows past keep_len keep their value
         batch = torch.arange(b, device=dev)[:, None].expand(b, k)
-        rows = self.kv[:, batch, src]  # [layers, b, k, d], gathered before any write
-        self.kv[:, batch[valid], dst[valid]] = rows[:, valid]
-        self.seqlens = start.to(torch.int64) + keep_len.to(torch.int64)
+        self.kv[:, batch, dst] = self.kv[:, batch, src]  # gathered before any write
+        self.seqlens.copy_(start + keep_len)
+
+    def _check_compact(self, valid, keep, src, dst) -> None:
+        if bool((valid & (keep < 0)).any()):
+            raise ValueError("keep: an index inside keep_len is -1")
+        if bool((valid & (src >= self.max_len)).any()) or bool((dst >= self.max_len).any()):
+            raise ValueError(f"keep: a row index is beyond max_len={self.max_len}")

@@ -16,7 +16,7 @@ from kdtree_engine.model.model import DeepseekV3ForCausalLM
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _LAYER = re.compile(r"^layers\.(\d+)\.")
-_FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -52,16 +52,46 @@ def _iter_tensors(config: ModelConfig, files: list[Path]) -> Iterator[tuple[str,
                     yield name, f.get_tensor(name)
 
 
-def _split_fused(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """transformers' in-memory layout experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I] -> per expert."""
-    prefix, kind = _FUSED.match(name).groups()
-    for e in range(t.shape[0]):
-        if kind == "down_proj":
-            yield f"{prefix}.{e}.down_proj.weight", t[e]
-        else:
-            gate, up = t[e].chunk(2, dim=0)
-            yield f"{prefix}.{e}.gate_proj.weight", gate
-            yield f"{prefix}.{e}.up_proj.weight", up
+def _expert_part(name: str) -> tuple[str, int, str] | None:
+    """A per-expert checkpoint name -> (our stacked name, expert, "gate" | "up" | "down"), else None."""
+    m = _PER_EXPERT.match(name)
+    if m is None:
+        return None
+    prefix, e, kind = m.groups()
+    stacked = "gate_up_proj" if kind in ("gate", "up") else "down_proj"
+    return f"{prefix}.{stacked}", int(e), kind
+
+
+class _StackedExperts:
+    """Collects per-expert tensors into our stacked experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I],
+    allocated on first use; `missing()` names the parts never given."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device) -> None:
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.filled: dict[str, set[tuple[int, str]]] = {}
+
+    def put(self, key: str, e: int, kind: str, t: torch.Tensor, name: str) -> None:
+        shape = self.shapes.get(key)
+        if shape is None or not 0 <= e < shape[0]:
+            raise ValueError(f"checkpoint: unexpected tensor {name!r}")
+        half = shape[1] // 2 if kind != "down" else shape[1]
+        want = (half, shape[2])
+        if tuple(t.shape) != want:
+            raise ValueError(f"checkpoint: tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
+        if key not in self.tensors:
+            self.tensors[key] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self.filled[key] = set()
+        rows = slice(half, 2 * half) if kind == "up" else slice(0, half)
+        self.tensors[key][e, rows] = t.to(device=self.device, dtype=self.dtype)
+        self.filled[key].add((e, kind))
+
+    def missing(self) -> list[str]:
+        out = []
+        for key, done in self.filled.items():
+            kinds = ("down",) if key.endswith("down_proj") else ("gate", "up")
+            out += [f"{key}[{e}].{k}" for e in range(self.shapes[key][0]) for k in kinds if (e, k) not in done]
+        return out
 
 
 FP8 = (torch.float8_e4m3fn,)
@@ -108,16 +138,13 @@ def _dequantized(config: ModelConfig, named: Iterator[tuple[str, torch.Tensor]])
 def canonical_tensors(
     config: ModelConfig, named: Iterator[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF checkpoint names -> our parameter names ("model." dropped, fused experts split); tensors of
+    """HF checkpoint names -> our parameter names ("model." dropped; per-expert tensors keep their names
+    and are stacked by state_dict_from_hf, transformers' stacked experts pass through); tensors of
     layers >= num_hidden_layers (the MTP layer) and rotary buffers are skipped; block-FP8 weights are
     dequantized with their weight_scale_inv."""
     kept = ((n, t) for n, t in named if not skipped(config, n))
     for name, t in _dequantized(config, kept):
-        key = name.removeprefix("model.")
-        if _FUSED.match(key):
-            yield from _split_fused(key, t)
-        else:
-            yield key, t
+        yield name.removeprefix("model."), t
 
 
 def _target_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -133,10 +160,14 @@ def state_dict_from_hf(
 ) -> dict[str, torch.Tensor]:
     """Checked, converted state dict; ValueError naming missing / extra tensors or a shape mismatch."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    stacked = _StackedExperts(expected, dtype, device)
     state: dict[str, torch.Tensor] = {}
     extra = []
     for key, t in canonical_tensors(model.config, named):
-        if key not in expected:
+        part = _expert_part(key)
+        if part is not None:
+            stacked.put(*part, t, key)
+        elif key not in expected:
             extra.append(key)
         elif tuple(t.shape) != expected[key]:
             raise ValueError(
@@ -146,6 +177,10 @@ def state_dict_from_hf(
             state[key] = t.to(device=device, dtype=_target_dtype(key, dtype))
     if extra:
         raise ValueError(f"checkpoint: unexpected tensors {sorted(extra)[:8]} ({len(extra)} in all)")
+    partial = stacked.missing()
+    if partial:
+        raise ValueError(f"checkpoint: missing tensors {partial[:8]} ({len(partial)} in all)")
+    state.update(stacked.tensors)
     if model.config.tie_word_embeddings and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     missing = sorted(set(expected) - set(state))

@@ -23,16 +23,24 @@ class ForwardAttention:
     start [b] int64 prefix lengths; t new tokens per request; visibility [b, t, t] bool among them."""
 
     def __init__(
-        self, c: ModelConfig, start: torch.Tensor, t: int, visibility: torch.Tensor, impl: str | None
+        self,
+        c: ModelConfig,
+        start: torch.Tensor,
+        t: int,
+        visibility: torch.Tensor,
+        impl: str | None,
+        validate: bool = True,
     ):
         self.c, self.start, self.t, self.visibility, self.impl = c, start, t, visibility, impl
+        self.validate = validate  # False: no host reads (the Hopper schedule is computed on the device)
         self.plan: AttentionPlan | None = None
 
     def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         """q [b, t, h, r + d_r], kv_layer [b, max_len, r + d_r] -> latent output [b, t, h, r]."""
         if self.plan is None:
             self.plan = plan_attention(q, kv_layer, self.start + self.t, softmax_scale=self.c.softmax_scale,
-                                       d_v=self.c.kv_lora_rank, visibility=self.visibility, impl=self.impl)  # fmt: skip
+                                       d_v=self.c.kv_lora_rank, visibility=self.visibility, impl=self.impl,
+                                       validate=self.validate)  # fmt: skip
         return self.plan.run(q, kv_layer)[0]
 
 

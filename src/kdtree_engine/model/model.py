@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kdtree_engine.impl import capturing
 from kdtree_engine.model import rope
 from kdtree_engine.model.cache import LatentKVCache
 from kdtree_engine.model.config import ModelConfig
@@ -35,7 +36,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_layer, attn: ForwardAttention) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), attn.impl)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -84,6 +85,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         capture_layers: Sequence[int] = (),
         impl: str | None = None,
         logits_rows: torch.Tensor | None = None,
+        validate: bool = True,
     ) -> ForwardOutput:
         """Run t new tokens per request on top of the cached prefix.
 
@@ -93,14 +95,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         of every layer, then cache.seqlens += lengths. Returns logits and the captured hidden states.
         logits_rows [b] int64, when given, keeps one row per request (e.g. a prompt's last token):
         logits are then [b, 1, V], which saves the [b, t, V] projection of a long prefill.
+        validate=False (and CUDA graph capture) skips the checks that read tensor values, so that with a
+        kernel impl the forward never waits for the device: cache.seqlens is updated in place.
         """
+        check_values = validate and not capturing(input_ids.device)
         b, t = self._check_inputs(input_ids, cache, positions, visibility, lengths, capture_layers)
-        if logits_rows is not None and (
-            logits_rows.shape != (b,) or bool((logits_rows < 0).any() or (logits_rows >= t).any())
-        ):
-            raise ValueError(f"logits_rows: expected [{b}] int64 in 0..{t - 1}, got {logits_rows.tolist()}")
+        if check_values:
+            self._check_values(cache, t, lengths, logits_rows)
+        elif logits_rows is not None and logits_rows.shape != (b,):
+            raise ValueError(f"logits_rows: expected shape ({b},), got {tuple(logits_rows.shape)}")
         dev = self.device
-        start = cache.seqlens.to(dev)
+        start = cache.seqlens.clone()
         if positions is None:
             positions = start[:, None] + torch.arange(t, device=dev)
         if visibility is None:
@@ -108,7 +113,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
-        attn = ForwardAttention(self.config, start, t, visibility, impl)
+        attn = ForwardAttention(self.config, start, t, visibility, impl, check_values)
         captured = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.kv[i], attn)
@@ -116,7 +121,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if logits_rows is not None:
             x = x[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]
         logits = self.lm_head(self.norm(x))
-        cache.seqlens = start + (lengths.to(dev) if lengths is not None else t)
+        cache.seqlens.copy_(start + (lengths.to(dev) if lengths is not None else t))
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(logits.to(torch.promote_types(logits.dtype, torch.float32)), hidden)
 
@@ -130,19 +135,27 @@ class DeepseekV3ForCausalLM(nn.Module):
         b, t = input_ids.shape
         if cache.batch_size != b or cache.kv.shape[0] != self.config.num_hidden_layers:
             raise ValueError(f"cache: expected {self.config.num_hidden_layers} layers and batch {b}")
-        if int(cache.seqlens.max()) + t > cache.max_len:
-            raise ValueError(
-                f"cache: seqlens + t = {int(cache.seqlens.max()) + t} exceeds max_len {cache.max_len}"
-            )
+        if cache.kv.device != self.device:
+            raise ValueError(f"cache: on {cache.kv.device}, the model on {self.device}")
         if positions is not None and positions.shape != (b, t):
             raise ValueError(f"positions: expected shape {(b, t)}, got {tuple(positions.shape)}")
         if visibility is not None and (visibility.shape != (b, t, t) or visibility.dtype != torch.bool):
             raise ValueError(f"visibility: expected [{b}, {t}, {t}] bool, got {tuple(visibility.shape)}")
-        if lengths is not None and (
-            lengths.shape != (b,) or bool((lengths < 0).any() or (lengths > t).any())
-        ):
-            raise ValueError(f"lengths: expected [{b}] int64 in 0..{t}, got {lengths.tolist()}")
+        if lengths is not None and lengths.shape != (b,):
+            raise ValueError(f"lengths: expected shape ({b},), got {tuple(lengths.shape)}")
         bad = [i for i in capture_layers if not 0 <= i < self.config.num_hidden_layers]
         if bad:
             raise ValueError(f"capture_layers: {bad} outside 0..{self.config.num_hidden_layers - 1}")
         return b, t
+
+    @staticmethod
+    def _check_values(cache, t: int, lengths, logits_rows) -> None:
+        """The checks that read tensor values (host syncs)."""
+        if int(cache.seqlens.max()) + t > cache.max_len:
+            raise ValueError(
+                f"cache: seqlens + t = {int(cache.seqlens.max()) + t} exceeds max_len {cache.max_len}"
+            )
+        if lengths is not None and bool((lengths < 0).any() or (lengths > t).any()):
+            raise ValueError(f"lengths: expected int64 in 0..{t}, got {lengths.tolist()}")
+        if logits_rows is not None and bool((logits_rows < 0).any() or (logits_rows >= t).any()):
+            raise ValueError(f"logits_rows: expected int64 in 0..{t - 1}, got {logits_rows.tolist()}")

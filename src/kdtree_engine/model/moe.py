@@ -1,4 +1,9 @@
-"""Dense MLP and the sigmoid-routed mixture of experts, HF parameter names."""
+"""Dense MLP and the sigmoid-routed mixture of experts, HF parameter names.
+
+The routed experts are stored stacked, as transformers keeps them in memory: `experts.gate_up_proj`
+[E, 2I, H] (rows 0..I-1 expert e's gate_proj.weight, rows I..2I-1 its up_proj.weight) and
+`experts.down_proj` [E, H, I]. The loader stacks the per-expert tensors of checkpoints on disk.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.config import ModelConfig
+from kdtree_engine.ref.moe import moe_experts_ref
 
 
 class MLP(nn.Module):
@@ -18,7 +25,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -40,7 +47,7 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, hidden] -> (weights [n, k] float32, expert ids [n, k] int64)."""
+        """x [n, hidden] -> (weights [n, k] float32, expert ids [n, k] int64). Device ops only."""
         c = self.c
         scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [n, E]
         choice = scores + self.e_score_correction_bias
@@ -57,38 +64,38 @@ class Router(nn.Module):
         return weights * c.routed_scaling_factor, ids
 
 
+class Experts(nn.Module):
+    """The routed experts, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        e, i, h = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x, weights, ids, impl: str | None = None) -> torch.Tensor:
+        """x [n, hidden], weights/ids [n, k] -> [n, hidden]: sum over k of weight * expert(x). "ref" runs
+        a loop over the experts in use (as transformers, one host sync); "triton" the grouped kernels
+        (no host sync, capturable)."""
+        if resolve_impl(impl, x.device) == "triton":
+            from kdtree_engine.kernels.moe import moe_experts  # imported lazily: triton is optional
+
+            return moe_experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+        return moe_experts_ref(x, weights, ids, self.gate_up_proj, self.down_proj)
+
+
 class MoE(nn.Module):
-    """Routed experts (`experts.{e}.{gate,up,down}_proj`), `gate` router, `shared_experts` MLP."""
+    """Routed experts (`experts.gate_up_proj`, `experts.down_proj`), `gate` router, `shared_experts` MLP."""
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.c = c
-        self.experts = nn.ModuleList(
-            MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.n_routed_experts)
-        )
+        self.experts = Experts(c)
         self.gate = Router(c)
         self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden], weights/ids [n, k] -> [n, hidden]: sum over k of weight * expert(x), experts
-        added in id order (as transformers). Assignments are sorted by expert once, so the loop needs
-        a single host sync (the per-expert counts)."""
-        k = ids.shape[1]
-        order = ids.flatten().argsort(stable=True)  # [n * k] assignment slots grouped by expert
-        counts = torch.bincount(ids.flatten(), minlength=self.c.n_routed_experts).tolist()
-        out = torch.zeros_like(x)
-        begin = 0
-        for e, count in enumerate(counts):
-            if count:
-                chosen = order[begin : begin + count]
-                token, slot = chosen // k, chosen % k
-                y = self.experts[e](x[token]) * weights[token, slot, None]
-                out.index_add_(0, token, y.to(out.dtype))
-            begin += count
-        return out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
         """x [b, t, hidden] -> [b, t, hidden]."""
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
         weights, ids = self.gate(flat)
-        return self.routed(flat, weights, ids).view_as(x) + self.shared_experts(x)
+        return self.experts(flat, weights, ids, impl).view_as(x) + self.shared_experts(x)

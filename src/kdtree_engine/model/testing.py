@@ -41,13 +41,32 @@ def tiny_config(**overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def per_expert_tensors(name: str, t: torch.Tensor):
+    """Stacked experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as their per-expert checkpoint
+    tensors (name, view), so that a seeded init does not depend on the storage layout."""
+    prefix, kind = name.rsplit(".", 1)
+    for e in range(t.shape[0]):
+        if kind == "down_proj":
+            yield f"{prefix}.{e}.down_proj.weight", t[e]
+        else:
+            gate, up = t[e].chunk(2, dim=0)
+            yield f"{prefix}.{e}.gate_proj.weight", gate
+            yield f"{prefix}.{e}.up_proj.weight", up
+
+
 @torch.no_grad()
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Seeded in-place init with O(1) activations: Linear / expert weights N(0, 1/fan_in), embeddings
     N(0, 1), norm weights 1 + N(0, 0.1^2), e_score_correction_bias N(0, 0.1^2). Works for our model and
-    for transformers' (parameters are visited in name order, so the values depend on names and shapes)."""
+    for transformers' (tensors are visited in name order, stacked experts as their per-expert checkpoint
+    tensors, so the values depend on checkpoint names and shapes only)."""
     gen = torch.Generator().manual_seed(seed)
-    tensors = dict(model.named_parameters())
+    tensors = {}
+    for name, t in model.named_parameters():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and t.dim() == 3:
+            tensors.update(per_expert_tensors(name, t))
+        else:
+            tensors[name] = t
     tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     for name in sorted(tensors):
         t = tensors[name]
