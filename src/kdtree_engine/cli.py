@@ -15,6 +15,7 @@ COMMANDS = {
 BENCHMARKS = {
     "tree": ("kdtree_engine.bench.tree", "GPU tree build/compile/accept against CPU builders"),
     "attention": ("kdtree_engine.bench.attention", "tree-verify MLA attention against naive torch"),
+    "e2e": ("kdtree_engine.bench.e2e", "whole generation runs: autoregressive, DFlash and DDTree"),
 }
 
 

@@ -334,12 +334,15 @@ def _decode(run: _Run, state: _State, device: torch.device) -> None:
         run.stats.target_forwards += 1
         run.stats.drafter_forwards += int(speculative)
         host = host or _HostCopy(state)
+        tokens, counts = host.read(state)  # waits for the round
         with run.timer.host_stage("commit"):
-            _commit(run, state, *host.read(state))
+            _commit(run, state, tokens, counts)
         run.timer.collect()
         if graphs is None and any(run.reqs.active) and _use_graphs(run, device):
+            t0 = run.timer.now()
             graphs = _Graphs(stages)
             run.stats.cuda_graphs = True
+            run.stats.capture_time = run.timer.now() - t0
 
 
 def generate(

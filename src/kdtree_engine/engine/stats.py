@@ -83,8 +83,9 @@ class GenerationStats:
     rounds: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     stage_times: dict[str, float] = field(default_factory=dict)
-    wall_time: float = 0.0
+    wall_time: float = 0.0  # seconds of the whole call, prefill and graph capture included
     cuda_graphs: bool = False
+    capture_time: float = 0.0  # seconds spent capturing CUDA graphs (once per call, after round 1)
 
     @property
     def total_new_tokens(self) -> int:

@@ -9,10 +9,11 @@ import triton.language as tl
 
 
 def _patch_interpreter() -> None:
-    """Two Triton 3.6 interpreter bugs (CPU only; compiled kernels are untouched): scalars are
+    """Three Triton 3.6 interpreter bugs (CPU only; compiled kernels are untouched): scalars are
     1-element arrays whose `__index__` calls int(), which numpy >= 2.3 refuses, so `range()` over a
-    loaded bound fails; and `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns.
-    Index the element, and widen bf16 operands to float32 (exact) before the product."""
+    loaded bound fails; `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns; and float32
+    to bf16 casts truncate where the GPU rounds to nearest even. Index the element, widen bf16
+    operands to float32 (exact) before the product, and round bf16 casts to nearest even."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -32,8 +33,20 @@ def _patch_interpreter() -> None:
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def patched_cast(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:  # round to nearest even
+            bits = src.data.astype(np.float32).view(np.uint32).astype(np.uint64)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            nan = np.isnan(src.data)
+            bits[nan] = 0x7FC0
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
     interpreter._patch_lang_tensor = patched_tensor
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter.InterpreterBuilder.cast_impl = patched_cast
     interpreter._kdtree_patched = True
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kdtree_engine.attention import AttentionPlan, plan_attention
+from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.model.rope import apply_rope
 
@@ -52,7 +53,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
+        """impl: "ref" (torch ops, the default for callers outside the model) or a kernel impl (one launch,
+        for float32 / bf16 / fp16 with the weight in x's dtype)."""
+        if x.dtype == self.weight.dtype != torch.float64 and resolve_impl(impl, x.device) == "triton":
+            from kdtree_engine.kernels.rmsnorm import rmsnorm  # imported lazily: triton is optional
+
+            return rmsnorm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -77,12 +84,12 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=bias)
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
+    def _query(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
         """x [b, t, hidden] -> q [b, t, h, qk_head_dim]."""
         if self.c.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x), impl))
         return q.view(*x.shape[:2], self.c.num_attention_heads, self.c.qk_head_dim)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,20 +100,20 @@ class MLAttention(nn.Module):
         )
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
-    def latent_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def latent_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl="ref") -> torch.Tensor:
         """x [b, t, hidden] -> cache rows [b, t, r + d_r]: normalized c_kv then roped k_pe."""
         c = self.c
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave)  # [b, t, d_r]
-        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+        k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave, impl)  # [b, t, d_r]
+        return torch.cat([self.kv_a_layernorm(c_kv, impl), k_pe], dim=-1)
 
-    def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl="ref") -> torch.Tensor:
         """x [b, t, hidden] -> q_abs [b, t, h, r + d_r] = [q_nope @ W_UK, roped q_pe]."""
         c = self.c
-        q_nope, q_pe = self._query(x).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        q_nope, q_pe = self._query(x, impl).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w_uk, _ = self._w_uk_uv()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [b, t, h, r]
-        return torch.cat([q_lat, apply_rope(q_pe, cos, sin, c.rope_interleave)], dim=-1)
+        return torch.cat([q_lat, apply_rope(q_pe, cos, sin, c.rope_interleave, impl)], dim=-1)
 
     def forward(
         self,
@@ -120,10 +127,9 @@ class MLAttention(nn.Module):
         -> [b, t, hidden]."""
         b, t, _ = x.shape
         slots = attn.start[:, None] + torch.arange(t, device=x.device)  # [b, t]
-        kv_layer[torch.arange(b, device=x.device)[:, None], slots] = self.latent_rows(x, cos, sin).to(
-            kv_layer.dtype
-        )
-        q = self.absorbed_query(x, cos, sin).to(kv_layer.dtype)  # [b, t, h, r + d_r]
+        rows = self.latent_rows(x, cos, sin, attn.impl)
+        kv_layer[torch.arange(b, device=x.device)[:, None], slots] = rows.to(kv_layer.dtype)
+        q = self.absorbed_query(x, cos, sin, attn.impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
         out = attn(q, kv_layer)  # [b, t, h, r]
         _, w_uv = self._w_uk_uv()
         v = torch.einsum("bthr,hdr->bthd", out.to(x.dtype), w_uv)  # [b, t, h, d_v]

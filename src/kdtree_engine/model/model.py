@@ -35,8 +35,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv_layer, attn: ForwardAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_layer, attn)
-        return x + self.mlp(self.post_attention_layernorm(x), attn.impl)
+        x = x + self.self_attn(self.input_layernorm(x, attn.impl), cos, sin, kv_layer, attn)
+        return x + self.mlp(self.post_attention_layernorm(x, attn.impl), attn.impl)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -120,7 +120,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             captured[i] = x
         if logits_rows is not None:
             x = x[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]
-        logits = self.lm_head(self.norm(x))
+        logits = self.lm_head(self.norm(x, impl))
         cache.seqlens.copy_(start + (lengths.to(dev) if lengths is not None else t))
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(logits.to(torch.promote_types(logits.dtype, torch.float32)), hidden)

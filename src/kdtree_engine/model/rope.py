@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.config import ModelConfig
 
 
@@ -45,12 +46,22 @@ def cos_sin(c: ModelConfig, freqs: torch.Tensor, positions: torch.Tensor, dtype:
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool, impl: str | None = "ref"
+) -> torch.Tensor:
     """x [b, t, (h,) d] with cos/sin [b, t, d // 2] -> roped x, same shape.
 
     interleave=True (HF `rope_interleave`): pairs (x0, x1), (x2, x3), ... are rotated and the result is
     laid out as [rotated evens, rotated odds]; False: the halves (x[:d/2], x[d/2:]) form the pairs.
+    impl: "ref" (torch ops) or a kernel impl (one launch, the same bits; float32 / bf16 / fp16 with
+    d // 2 a power of two).
     """
+    half = x.shape[-1] // 2
+    kernel_ok = x.dtype in (torch.float32, torch.bfloat16, torch.float16) and half & (half - 1) == 0
+    if kernel_ok and cos.dtype == x.dtype and resolve_impl(impl, x.device) == "triton":
+        from kdtree_engine.kernels import rope as kernels  # imported lazily: triton is optional
+
+        return kernels.apply_rope(x, cos, sin, interleave)
     if x.dim() == 4:
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     if interleave:
