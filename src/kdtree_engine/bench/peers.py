@@ -7,6 +7,10 @@ is needed, so those imports are satisfied by small stand-ins.
 (or a folder holding that file) and calls its `build_ddtree_tree(draft_logits [B, L, V], budget,
 device)` once per batch, its own call convention (padded [B, budget] tokens and depths, [B, budget + 1]
 parents on `device`).
+`load_sglang_triton(path)` imports the SGLang DDTree port's Triton module
+(`python/sglang/kernels/ops/speculative/ddtree.py`, Rancy-Wang/sglang branch ddtree-v2; it imports only
+torch and triton) and runs its GPU path from draft logits to the verify inputs (SglangTriton).
+`scripts/fetch_peers.sh` extracts both SGLang files into `.peers/sglang`.
 With stable_topk=True the peer's `torch.topk` is pinned to the same tie order as ours (smaller id
 first): torch leaves the order of tied values unspecified, and bf16 logits tie often.
 """
@@ -122,3 +126,90 @@ def load_sglang(path: str | Path, *, stable_topk: bool = True) -> Callable:
         return trees
 
     return build
+
+
+SGLANG_TRITON_FILE = Path("python/sglang/kernels/ops/speculative/ddtree.py")
+
+
+def load_sglang_triton(path: str | Path) -> Callable:
+    """Returns make(batch, depth, budget, device) -> SglangTriton, from `path`: a checkout of the SGLang
+    DDTree port (or `.peers/sglang` as scripts/fetch_peers.sh writes it)."""
+    source = Path(path) / SGLANG_TRITON_FILE
+    if not source.is_file():
+        raise ValueError(f"path: no {SGLANG_TRITON_FILE} under {path} (scripts/fetch_peers.sh puts the "
+                         "SGLang DDTree port there)")  # fmt: skip
+    module = _exec_file(source, "_sglang_ddtree_triton", {}, stable_topk=False)
+    for fn in ("build_ddtree_tree_triton", "compile_ddtree_tree_triton"):
+        if not callable(getattr(module, fn, None)):
+            raise ValueError(f"path: {source} has no {fn}")
+    return lambda batch, depth, budget, device: SglangTriton(module, batch, depth, budget, device)
+
+
+class SglangTriton:
+    """The SGLang DDTree port's GPU path for one (batch B, depth L, budget) on CUDA, with its buffers
+    allocated once, as its worker allocates them.
+
+    topk(logits [B, L, V]): its worker's draft top-k on one tensor-parallel rank: float32 logits,
+      log Z = max + log(sum(exp(x - max))), torch.topk with k = min(budget, V), values - log Z (the
+      worker's id map and padding copies are left out).
+    build(lp, ids): build_ddtree_tree_triton(lp, ids [B, L, k]), one program per request: exactly
+      `budget` best-first pops (float64 scores updated as ours), writing `tokens`, `depths` [B, budget],
+      `parents` [B, budget + 1] and the ancestor-or-self `visibility` [B, budget + 1, budget + 1].
+      Nodes are numbered in pop order, as ours; equal scores pop the candidate pushed first (heap slot
+      2i+1 for pop i's next sibling, 2i+2 for its first child), not the official lexicographic order.
+    verify(roots, starts [B]): compile_ddtree_tree_triton without its packed attention mask (the path
+      of its FlashAttention backend, which reads `visibility`): `input_ids`, `positions` [B, budget + 1].
+    """
+
+    def __init__(self, module, batch: int, depth: int, budget: int, device):
+        self.module, self.budget = module, budget
+        n, heap = budget + 1, 1 << (2 * budget + 3).bit_length()  # its heap: next_pow2(2 budget + 4)
+        i64, i32 = {"dtype": torch.int64, "device": device}, {"dtype": torch.int32, "device": device}
+        self.tokens, self.depths = torch.zeros(batch, budget, **i64), torch.zeros(batch, budget, **i64)
+        self.parents = torch.full((batch, n), -1, **i64)
+        self.visibility = torch.zeros(batch, n, n, dtype=torch.bool, device=device)
+        self.sizes = torch.zeros(batch, **i64)
+        self.heap_scores = torch.empty(batch, heap, dtype=torch.float64, device=device)
+        self.heap = [torch.empty(batch, heap, **i32) for _ in range(3)]  # parents, depths, ranks
+        self.input_ids, self.positions = torch.empty(batch, n, **i64), torch.empty(batch, n, **i64)
+
+    def topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = logits.reshape(-1, logits.shape[-1]).float()
+        m = x.amax(dim=-1)
+        log_z = m + torch.log(torch.exp(x - m[:, None]).sum(dim=-1).clamp_min(1e-38))
+        values, ids = torch.topk(x, min(self.budget, x.shape[-1]), dim=-1)
+        shape = (*logits.shape[:2], -1)
+        return (values - log_z[:, None]).view(shape), ids.view(shape)
+
+    def build(self, lp: torch.Tensor, ids: torch.Tensor) -> None:
+        self.module.build_ddtree_tree_triton(
+            top_log_probs=lp, top_token_ids=ids, tree_budget=self.budget,
+            out_node_token_ids=self.tokens, out_node_depths=self.depths, out_parents=self.parents,
+            out_visibility=self.visibility, out_actual_tree_sizes=self.sizes, heap_scores=self.heap_scores,
+            heap_parents=self.heap[0], heap_depths=self.heap[1], heap_ranks=self.heap[2],
+        )  # fmt: skip
+
+    def verify(self, roots: torch.Tensor, starts: torch.Tensor) -> None:
+        self.module.compile_ddtree_tree_triton(
+            root_token_ids=roots, node_token_ids=self.tokens, node_depths=self.depths,
+            visibility=self.visibility, start_positions=starts, past_lengths=starts,
+            actual_tree_sizes=self.sizes, verify_input_ids=self.input_ids,
+            verify_position_ids=self.positions, tree_attention_mask=None, q_len=self.budget + 1,
+        )  # fmt: skip
+
+    def from_topk(self, lp, ids, roots, starts) -> None:
+        self.build(lp, ids)
+        self.verify(roots, starts)
+
+    def from_logits(self, logits, roots, starts) -> None:
+        self.from_topk(*self.topk(logits), roots, starts)
+
+
+def token_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """A tree (node i+1: tokens[i], parents[i + 1]; parents numbered before children) as the set of its
+    nodes' root-to-node token paths: free of the node numbering, it fixes the token set, the parents and
+    the depths (siblings carry distinct top-k ids)."""
+    paths = [()]
+    for i, token in enumerate(tokens, 1):
+        paths.append(paths[parents[i]] + (token,))
+    return set(paths[1:])

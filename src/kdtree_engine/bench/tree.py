@@ -9,7 +9,13 @@ Per (batch B, budget) on the same random bf16 drafter logits [B, L, V]:
   request's [L, V] logits as its engine does (top-k on the logits' device, copy to host, heap on host);
   `--peer sglang=/path/to/sglang`: SGLang's `build_ddtree_tree`, called once per batch on [B, L, V] as
   its worker does (its outputs padded on the logits' device). "<peer> same tree": the peer's tree for
-  request 0, top-k ties pinned to our order, equals ours.
+  request 0, top-k ties pinned to our order, equals ours;
+- `--peer sglang-triton=/path/to/sglang` (CUDA only): the SGLang DDTree port's GPU path
+  (bench.peers.SglangTriton), timed like ours from the same inputs to the verify inputs: "logits->verify"
+  (its worker's torch top-k and log Z, its build kernel, its verify-input kernel; ours:
+  build_tree_from_logits + compile_tree) and "topk->verify" (the same top-k in: build + compile), ratios
+  ours / port. "<peer> same trees": requests whose tree equals ours (token paths) on float32 logits
+  without ties, from the same top-k and from logits; the port is not exact on ties.
 GPU times: a CUDA graph holding `--graph-calls` back-to-back calls, replayed after warm-up and timed
 with CUDA events; the median per call is reported. Host times: median of perf_counter over
 `--host-iters` runs, after one warm-up. Ratios come from the same run.
@@ -34,10 +40,10 @@ from kdtree_engine.bench.plot import markdown_table, plot_series
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
     parser.add_argument("--depth", type=int, default=15, help="draft block length L")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--vocab", type=int, default=163840, help="vocabulary size V (Kimi-K2: 163840)")
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=PATH",
-                        help="time a peer builder from a local checkout (official, sglang)")  # fmt: skip
+                        help="a peer from a local checkout: official, sglang, sglang-triton")  # fmt: skip
     parser.add_argument("--out", default="out/bench_tree", help="directory for the table, plot and json")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--graph-calls", type=int, default=10, help="calls captured per CUDA graph")
@@ -85,22 +91,26 @@ def _host_us(fn, iters: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _load_peers(specs: list[str]) -> dict:
-    """{name: (run(logits [B, L, V], budget): the whole batch as the peer's engine calls it, with its own
-    torch.topk; tree0(logits, budget) -> (tokens, parents) of request 0 with top-k ties pinned to
-    ours)}."""
-    from kdtree_engine.bench.peers import load_official, load_sglang
+def _load_peers(specs: list[str]) -> tuple[dict, dict]:
+    """Host peers {name: (run(logits [B, L, V], budget): the whole batch as the peer's engine calls it,
+    with its own torch.topk; tree0(logits, budget) -> (tokens, parents) of request 0 with top-k ties
+    pinned to ours)} and GPU peers {name: make(B, L, budget, device) -> peers.SglangTriton}."""
+    from kdtree_engine.bench.peers import load_official, load_sglang, load_sglang_triton
 
-    peers = {}
+    peers, gpu_peers = {}, {}
     for spec in specs:
         name, _, path = spec.partition("=")
         if name == "official" and path:
             peers[name] = _official_peer(load_official(path, stable_topk=False), load_official(path))
         elif name == "sglang" and path:
             peers[name] = _sglang_peer(load_sglang(path, stable_topk=False), load_sglang(path))
+        elif name == "sglang-triton" and path:
+            gpu_peers[name] = load_sglang_triton(path)
         else:
-            raise ValueError(f"--peer: expected official=PATH (ddtree) or sglang=PATH, got {spec!r}")
-    return peers
+            raise ValueError(
+                f"--peer: expected official=PATH (ddtree), sglang=PATH or sglang-triton=PATH, got {spec!r}"
+            )
+    return peers, gpu_peers
 
 
 def _official_peer(timed, pinned):
@@ -136,7 +146,37 @@ def _same_tree(peer_tree, tree, r: int) -> bool:
     )
 
 
-def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) -> dict:
+def _gpu_peer_row(name: str, make, budget: int, logits, lp, ids, roots, starts, timed, seed: int) -> dict:
+    """Ours and the port from the same inputs to the verify inputs, and its trees against ours."""
+    from kdtree_engine.bench.peers import token_paths
+    from kdtree_engine.kernels import tree as kernels
+
+    port = make(*logits.shape[:2], budget, logits.device)
+
+    def ours(tree):
+        return kernels.compile_tree(tree, roots, starts)
+
+    row = {
+        "gpu logits->verify": timed(lambda: ours(kernels.build_tree_from_logits(logits, budget))),
+        "gpu topk->verify": timed(lambda: ours(kernels.build_tree(lp, ids, budget))),
+        f"{name} logits->verify": timed(lambda: port.from_logits(logits, roots, starts)),
+        f"{name} topk->verify": timed(lambda: port.from_topk(lp, ids, roots, starts)),
+    }
+    gen = torch.Generator(logits.device).manual_seed(seed)
+    fp32 = torch.randn(logits.shape, generator=gen, device=logits.device) * 2  # no ties in practice
+    lp32, ids32 = kernels.logits_topk(fp32, min(budget, fp32.shape[-1]))
+    tree = kernels.build_tree(lp32, ids32, budget)
+    n, tokens, parents = tree.num_nodes.tolist(), tree.tokens.tolist(), tree.parents.tolist()
+    want = [token_paths(tokens[r][: n[r]], parents[r]) for r in range(len(n))]
+    for key, run in (("topk", lambda: port.from_topk(lp32, ids32, roots, starts)),
+                     ("logits", lambda: port.from_logits(fp32, roots, starts))):  # fmt: skip
+        run()
+        got = zip(port.tokens.tolist(), port.parents.tolist())
+        row[f"{name} same trees from {key}"] = sum(token_paths(*t) == w for t, w in zip(got, want))
+    return row
+
+
+def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, gpu_peers: dict, args) -> dict:
     from kdtree_engine.kernels import tree as kernels
     from kdtree_engine.ref import tree as ref
 
@@ -167,6 +207,9 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, args) 
     for name, (run, tree0) in peers.items():
         row[name] = _host_us(lambda f=run: f(logits, budget), args.host_iters, dev)
         row[f"{name} same tree"] = _same_tree(tree0(logits, budget), tree, 0)
+    for name, make in gpu_peers.items():
+        if on_gpu:
+            row |= _gpu_peer_row(name, make, budget, logits, lp, ids, roots, starts, timed, args.seed)
     return row
 
 
@@ -174,23 +217,33 @@ def _ratio(a: float | None, b: float | None) -> str | None:
     return None if a is None or b is None else f"{a / b:.3g}x"
 
 
-def _report(rows: list[dict], peers: list[str], header: str, out: Path) -> str:
+def _report(rows: list[dict], peers: list[str], gpu_peers: list[str], header: str, out: Path) -> str:
     cols = ["gpu topk->tree", "gpu logits->tree", "gpu compile", "gpu accept"]
-    cols += ["cpu ref", *peers]
+    cols += ["gpu topk->verify", "gpu logits->verify"] if gpu_peers else []
+    cols += ["cpu ref", *peers, *[f"{p} {c}" for p in gpu_peers for c in ("topk->verify", "logits->verify")]]
     ratios = [("cpu ref", "gpu topk->tree")] + [
         (p, c) for p in peers for c in ("gpu topk->tree", "gpu logits->tree")
     ]
+    ratios += [(f"gpu {c}", f"{p} {c}") for p in gpu_peers for c in ("topk->verify", "logits->verify")]
+    same = [f"{p} same trees from {k}" for p in gpu_peers for k in ("topk", "logits")]
     headers = ["B", "budget", *[f"{c} (us)" for c in cols], *[f"{a} / {b_}" for a, b_ in ratios], "exact"]
+    headers += [f"{c} (of B)" for c in same]
     table = []
     for r in rows:
         exact = r["exact vs ref"] and all(r[f"{p} same tree"] for p in peers)
-        table.append(
-            [r["B"], r["budget"], *[r[c] for c in cols], *[_ratio(r[a], r[b_]) for a, b_ in ratios], exact]
-        )
+        times = [r.get(c) for c in cols]
+        table.append([r["B"], r["budget"], *times, *[_ratio(r.get(a), r.get(b_)) for a, b_ in ratios], exact])
+        table[-1] += [r.get(c) for c in same]
     text = f"{header}\n\n{markdown_table(headers, table)}\n"
+    if gpu_peers:
+        text += (
+            f"\n{', '.join(gpu_peers)}: the SGLang DDTree port (CUDA only; '-' without CUDA), not exact "
+            "on ties: equal scores pop the candidate pushed first, and torch.topk orders tied logits its own "
+            "way. 'same trees': requests whose tree equals ours on float32 logits without ties.\n"
+        )
     labels = [f"B={r['B']} n={r['budget']}" for r in rows]
     plotted = plot_series(
-        out / "tree_bench.png", header.splitlines()[0], labels, {c: [r[c] for r in rows] for c in cols}
+        out / "tree_bench.png", header.splitlines()[0], labels, {c: [r.get(c) for r in rows] for c in cols}
     )
     return text + ("" if plotted else "\n(matplotlib missing: no plot written)\n")
 
@@ -201,7 +254,9 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run through the Triton interpreter
-    peers = _load_peers(args.peer)
+    peers, gpu_peers = _load_peers(args.peer)
+    if gpu_peers and device.type != "cuda":
+        print(f"{', '.join(gpu_peers)}: needs CUDA, skipped", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = (
@@ -219,9 +274,9 @@ def main(args: argparse.Namespace) -> int:
     for b in args.batch:
         logits = (torch.randn(b, args.depth, args.vocab, generator=gen) * 2).bfloat16().to(device)
         for budget in args.budgets:
-            rows.append(_bench_config(b, budget, logits, peers, args))
+            rows.append(_bench_config(b, budget, logits, peers, gpu_peers, args))
             print(json.dumps(rows[-1]), flush=True)
-    text = _report(rows, list(peers), header, out)
+    text = _report(rows, list(peers), list(gpu_peers), header, out)
     (out / "tree_bench.md").write_text(text)
     (out / "tree_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     print(text)
