@@ -87,8 +87,8 @@ class _State:
     cache: the target's LatentKVCache; dcache: the drafter's cache (None for autoregressive); start [B]
     cached rows = position of the bonus token; bonus [B] the last committed token, not yet cached; active
     [B] bool: the request still runs; ctx [B, C, F] / ctx_lens [B]: target features the drafter has not
-    seen yet (None for autoregressive); tokens [B, W] / count [B]: what the last round committed per
-    request, for the host (allocated by the first round)."""
+    seen yet (None for autoregressive); committed [B, 1 + W]: what the last round committed per request,
+    for the host in one copy: the count n, then the n tokens (allocated by the first round)."""
 
     cache: object
     dcache: object | None
@@ -97,8 +97,7 @@ class _State:
     active: torch.Tensor
     ctx: torch.Tensor | None = None
     ctx_lens: torch.Tensor | None = None
-    tokens: torch.Tensor | None = None
-    count: torch.Tensor | None = None
+    committed: torch.Tensor | None = None
 
     def put(self, name: str, value: torch.Tensor) -> None:
         """Writes value into the tensor `name` in place (a new tensor the first time or on a new shape)."""
@@ -243,8 +242,7 @@ class _Stages:
         s.ctx_lens.copy_(n)
         tokens = torch.cat([self.vin.input_ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
         tokens.scatter_(1, (n - 1).clamp(min=0)[:, None], acc.bonus[:, None])
-        s.put("tokens", tokens)
-        s.put("count", n)
+        s.put("committed", torch.cat([n[:, None], tokens], dim=1))
         s.bonus.copy_(torch.where(s.active, acc.bonus, s.bonus))
         s.start.add_(n)
 
@@ -257,8 +255,7 @@ class _Stages:
         run, s = self.run, self.s
         token = _pick(run, self.logits[:, 0])
         n = s.active.long()
-        s.put("tokens", token[:, None])
-        s.put("count", n)
+        s.put("committed", torch.stack([n, token], dim=1))
         s.bonus.copy_(torch.where(s.active, token, s.bonus))
         s.start.add_(n)
 
@@ -294,21 +291,21 @@ def _use_graphs(run: _Run, device: torch.device) -> bool:
 
 
 class _HostCopy:
-    """The round's committed tokens and counts, copied to the host once per round (pinned memory on CUDA)."""
+    """The round's committed counts and tokens, one device-to-host copy per round (into pinned memory on
+    CUDA, then one wait for it)."""
 
     def __init__(self, state: _State) -> None:
-        cuda = state.tokens.device.type == "cuda"
-        self.tokens = torch.empty(state.tokens.shape, dtype=torch.int64, pin_memory=cuda)
-        self.count = torch.empty(state.count.shape, dtype=torch.int64, pin_memory=cuda)
+        cuda = state.committed.device.type == "cuda"
+        self.committed = torch.empty(state.committed.shape, dtype=torch.int64, pin_memory=cuda)
         self.done = torch.cuda.Event() if cuda else None
 
     def read(self, state: _State) -> tuple[list[list[int]], list[int]]:
-        self.tokens.copy_(state.tokens, non_blocking=True)
-        self.count.copy_(state.count, non_blocking=True)
+        self.committed.copy_(state.committed, non_blocking=True)
         if self.done is not None:
             self.done.record()
             self.done.synchronize()
-        return self.tokens.tolist(), self.count.tolist()
+        rows = self.committed.tolist()
+        return [r[1:] for r in rows], [r[0] for r in rows]
 
 
 def _commit(run: _Run, state: _State, tokens: list[list[int]], counts: list[int]) -> None:

@@ -35,6 +35,9 @@ class ForwardAttention:
         self.c, self.start, self.t, self.visibility, self.impl = c, start, t, visibility, impl
         self.validate = validate  # False: no host reads (the Hopper schedule is computed on the device)
         self.plan: AttentionPlan | None = None
+        b = start.shape[0]
+        self.rows = torch.arange(b, device=start.device)[:, None]  # [b, 1]
+        self.slots = start[:, None] + torch.arange(t, device=start.device)  # [b, t] cache rows written
 
     def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         """q [b, t, h, r + d_r], kv_layer [b, max_len, r + d_r] -> latent output [b, t, h, r]."""
@@ -126,9 +129,7 @@ class MLAttention(nn.Module):
         """x [b, t, hidden]; kv_layer [b, max_len, r + d_r] (written in place at start[b] + 0..t-1)
         -> [b, t, hidden]."""
         b, t, _ = x.shape
-        slots = attn.start[:, None] + torch.arange(t, device=x.device)  # [b, t]
-        rows = self.latent_rows(x, cos, sin, attn.impl)
-        kv_layer[torch.arange(b, device=x.device)[:, None], slots] = rows.to(kv_layer.dtype)
+        kv_layer[attn.rows, attn.slots] = self.latent_rows(x, cos, sin, attn.impl).to(kv_layer.dtype)
         q = self.absorbed_query(x, cos, sin, attn.impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
         out = attn(q, kv_layer)  # [b, t, h, r]
         _, w_uv = self._w_uk_uv()
