@@ -46,10 +46,19 @@ class Router(nn.Module):
         self.e_score_correction_bias = bias.to(device=self.weight.device, dtype=torch.float32)
         return self
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [n, hidden] -> (weights [n, k] float32, expert ids [n, k] int64). Device ops only."""
+    def forward(self, x: torch.Tensor, impl: str | None = "ref") -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, hidden] -> (weights [n, k] float32, expert ids [n, k] int64). Device ops only; a kernel
+        impl runs everything after the matmul in one launch (ties: the smaller id first, ids in
+        descending score order; the torch ops leave the order open)."""
         c = self.c
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [n, E]
+        logits = F.linear(x.float(), self.weight.float())  # [n, E]
+        if resolve_impl(impl, x.device) == "triton":
+            from kdtree_engine.kernels.moe_router import route  # imported lazily: triton is optional
+
+            return route(logits, self.e_score_correction_bias, n_group=c.n_group, topk_group=c.topk_group,
+                         top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                         scaling=c.routed_scaling_factor)  # fmt: skip
+        scores = logits.sigmoid()  # [n, E]
         choice = scores + self.e_score_correction_bias
         grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)  # [n, G, E/G]
         group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [n, G]
@@ -97,5 +106,5 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
         """x [b, t, hidden] -> [b, t, hidden]."""
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
-        weights, ids = self.gate(flat)
+        weights, ids = self.gate(flat, impl)
         return self.experts(flat, weights, ids, impl).view_as(x) + self.shared_experts(x)
