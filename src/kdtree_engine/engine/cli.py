@@ -199,6 +199,15 @@ def _run(session: _Session, method: str, stream: bool, stage_timing: bool) -> Ge
     return out
 
 
+def _warm_up(session: _Session, methods: list[str]) -> None:
+    """On a GPU, one untimed run per method first, so that no timed run pays for compiling kernels."""
+    if session.target.device.type != "cuda":
+        return
+    print("(GPU: one untimed warm-up run per method compiles the kernels first)")
+    for method in methods:
+        generate(session.target, session.drafter, session.prompts, replace(session.config, method=method))
+
+
 def _compare(runs: dict[str, GenerationOutput], greedy: bool) -> int:
     """Exit code 1 when a greedy output differs from autoregressive decoding's."""
     base = runs["autoregressive"]
@@ -234,6 +243,8 @@ def main(args: argparse.Namespace) -> int:
         if args.compare and args.method != "autoregressive":
             methods.append("autoregressive")
         timing = not args.no_stage_timing
+        if len(methods) > 1:
+            _warm_up(session, methods)
         runs = {m: _run(session, m, stream, timing) for m in methods}
     except ValueError as exc:
         print(f"kdtree-engine generate: {exc}", file=sys.stderr)
