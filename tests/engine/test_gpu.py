@@ -78,7 +78,9 @@ def test_bf16_and_sampled_run_cuda():
     _report(f"cuda bf16 sampled: {sampled.stats.summary()}")
 
 
-@pytest.mark.parametrize("method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 8), ("ddtree", 32)])
+@pytest.mark.parametrize(
+    "method,budget", [("autoregressive", None), ("dflash", None), ("ddtree", 8), ("ddtree", 32)]
+)
 def test_cuda_graphs_equal_eager_and_autoregressive(method, budget):
     """Rounds replayed from CUDA graphs commit the same tokens as eager rounds and as plain greedy
     decoding (float32, kernels), with a device-resident stand-in drafter captured with the round."""

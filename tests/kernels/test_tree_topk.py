@@ -20,6 +20,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kdtree_engine import tree as T
 from kdtree_engine.kernels import tree_topk
@@ -53,14 +55,14 @@ CPU_CASES = [  # (b, depth, vocab, k, kind, knobs)
     (2, 2, 1000, 8, "smooth", {}),  # one block
     (1, 3, 1000, 16, "bf16", {"block": 256}),  # ties across 4 blocks
     (1, 2, 37, 37, "smooth", {"block": 16}),  # k = V; V not a multiple of the group or block
-    (1, 2, 300, 8, "flat", {"block": 64}),  # every logit ties, 5 blocks: bisection path
-    (1, 2, 3000, 16, "bf16", {"max_groups": 4}),  # forced bisection path, 2 blocks
+    (1, 2, 300, 8, "flat", {"block": 64}),  # every logit ties, 5 blocks: exact path
+    (1, 2, 3000, 16, "bf16", {"max_groups": 4}),  # forced exact path, 2 blocks
     (1, 1, 100, 60, "signed_zero", {}),  # -0.0 ties with +0.0
     (1, 2, 500, 5, "bf16", {"group": 16, "max_groups": 8}),
     (1, 2, 5000, 16, "bf16", {"block": 1024, "super_group": 128}),  # 5 blocks, V not a multiple
     (1, 2, 2000, 8, "half", {}),  # fp16: keys shifted by 13
     (1, 1, 64, 64, "bf16", {"block": 16}),  # k = V with ties, k > number of groups and super groups
-    (1, 3, 3000, 16, "bf16", {"max_compact": 16}),  # more logits >= T0 than KC: bisection path
+    (1, 3, 3000, 16, "bf16", {"max_compact": 16}),  # more logits >= T0 than KC: exact path
     (1, 2, 1000, 8, "smooth", {"super_group": 8, "select_warps": 2, "block": 128}),  # S = G
     (2, 2, 1000, 8, "smooth", {"group": 16, "block": 256, "select_maxnreg": 64, "partial_warps": 2}),
 ]
@@ -70,6 +72,105 @@ CPU_CASES = [  # (b, depth, vocab, k, kind, knobs)
 def test_topk_matches_reference_bit_for_bit(case, device):
     b, depth, vocab, k, kind, knobs = case
     check_topk(make_logits(vocab + k, b, depth, vocab, kind), k, device, **knobs)
+
+
+def plateau_logits(kind: str, seed: int, b: int, depth: int, vocab: int, k: int) -> torch.Tensor:
+    """Adversarial-but-legal rows for the select (float32; cast by the caller), most of which overflow
+    its fast path and take the exact path:
+    all_equal: one value everywhere; all_but_three: a plateau with three larger entries;
+    straddle: k // 2 entries above a plateau whose ties cross the k-th place, the rest below it;
+    few_values: four values, each repeated about V / 4 times (k above the number of distinct values);
+    signed_zero: -0.0 and +0.0 mixed, a few +-1; coarse: round(randn), massive exact ties;
+    crowded: sorted descending (each row shifted), so the top logits fill the first groups and super
+    groups (few ties in float32: the exact path's radix select runs all its digit passes)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (b, depth, vocab)
+
+    def spots(m: int) -> torch.Tensor:  # m distinct random ids per row
+        return torch.rand(shape, generator=g).topk(min(m, vocab), dim=-1).indices
+
+    def values(v: list[float], at: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(v)[: at.shape[-1]].expand(at.shape)
+
+    if kind == "all_equal":
+        return torch.full(shape, -1.25)
+    if kind == "all_but_three":
+        at = spots(3)
+        return torch.full(shape, 0.75).scatter(-1, at, values([4.0, 2.5, 1.0], at))
+    if kind == "straddle":
+        x = torch.where(torch.rand(shape, generator=g) < 0.5, 0.5, -torch.rand(shape, generator=g) - 1)
+        at = spots(k // 2)
+        return x.scatter(-1, at, 1.0 + torch.rand(at.shape, generator=g).round())
+    if kind == "few_values":
+        return torch.randint(0, 4, shape, generator=g).float() - 1.5
+    if kind == "signed_zero":
+        x = torch.where(torch.rand(shape, generator=g) < 0.5, -0.0, 0.0)
+        at = spots(4)
+        return x.scatter(-1, at, values([1.0, -1.0, 1.0, -1.0], at))
+    if kind == "coarse":
+        return torch.round(torch.randn(shape, generator=g))
+    if kind == "crowded":
+        row = torch.randn(vocab, generator=g).sort(descending=True).values
+        return row + torch.randn(b, depth, 1, generator=g)
+    raise ValueError(kind)
+
+
+PLATEAU_CASES = [  # (b, depth, vocab, budget, kind, dtype)
+    (1, 2, 2000, 16, "all_equal", torch.bfloat16),
+    (1, 1, 1000, 8, "all_equal", torch.float32),
+    (1, 2, 3000, 32, "all_but_three", torch.bfloat16),
+    (1, 1, 2000, 8, "all_but_three", torch.float16),
+    (1, 2, 2000, 16, "straddle", torch.float32),
+    (1, 1, 1000, 31, "straddle", torch.bfloat16),
+    (1, 2, 1000, 16, "few_values", torch.bfloat16),  # k = 16 > 4 distinct values
+    (1, 1, 3000, 8, "few_values", torch.float16),
+    (1, 2, 1000, 12, "signed_zero", torch.float32),
+    (1, 1, 2000, 8, "signed_zero", torch.bfloat16),
+    (1, 2, 3000, 32, "coarse", torch.bfloat16),
+    (1, 1, 2000, 16, "crowded", torch.float32),
+    (1, 1, 1000, 8, "crowded", torch.float16),
+    (1, 1, 2000, 16, "crowded", torch.bfloat16),
+    (1, 1, 3000, 64, "crowded", torch.float32),  # k * S / G and k * G items: several tiles per level
+    (1, 1, 3000, 100, "straddle", torch.bfloat16),
+    (1, 1, 64, 64, "all_equal", torch.bfloat16),  # k = V
+    (1, 2, 37, 37, "few_values", torch.float32),  # k = V, V not a multiple of the group
+    (1, 1, 5, 16, "straddle", torch.float16),  # V < budget: k = V
+]
+
+
+@pytest.mark.parametrize("case", PLATEAU_CASES, ids=lambda c: "-".join(map(str, c[:5])) + f"-{c[5]}"[6:])
+def test_plateaus_match_reference_bit_for_bit(case, device):
+    """Plateaus and heavy ties with the default knobs (the select picks its path), again with every row
+    sent to the exact path (max_groups=1), and the trees built from the logits on the kernel path."""
+    b, depth, vocab, budget, kind, dtype = case
+    k = min(budget, vocab)
+    x = plateau_logits(kind, vocab + budget, b, depth, vocab, k).to(dtype)
+    check_topk(x, k, device)
+    check_topk(x, k, device, max_groups=1)
+    got = T.build_tree_from_logits(x.to(device), budget, impl="triton")
+    want = T.build_tree_from_logits(x, budget, impl="ref")
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+
+
+@triton.jit
+def _mark_exact(x_ptr, gmax_ptr, sk_s, ok_s, sidx, top, glist, keys_row, row, V, NG, k, lse, lp_out, ids_out,
+                G: tl.constexpr, RS: tl.constexpr, KP: tl.constexpr, HT: tl.constexpr, SHIFT: tl.constexpr,
+                NPASS: tl.constexpr, DB: tl.constexpr):  # fmt: skip
+    """Stands in for tree_topk._exact_select: writes -7 as the row's first id."""
+    tl.store(ids_out + row * k, -7)
+
+
+def test_plateaus_take_the_exact_path(monkeypatch, device):
+    """The plateau inputs above do overflow the fast path (default knobs): a stand-in for _exact_select
+    that only marks its row sees every row of them. Interpreter only (it swaps a global of the kernel)."""
+    if device.type != "cpu":
+        pytest.skip("swaps a jit global: Triton interpreter only")
+    monkeypatch.setattr(tree_topk, "_exact_select", _mark_exact)
+    for kind in ("all_equal", "all_but_three", "straddle", "few_values", "signed_zero", "crowded"):
+        x = plateau_logits(kind, 0, 1, 2, 2000, 16).bfloat16()
+        _, ids = tree_topk.logits_topk(x, 16)
+        assert bool((ids[..., 0] == -7).all()), kind
 
 
 def grid_logits(seed: int):
@@ -208,8 +309,8 @@ print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["p
 print("//==== select")
 sig = {**head, "glist_ptr": "*i32", "keys_ptr": "*i64", "lp_out": "*fp32", "ids_out": "*i64",
        "V": "i32", "NG": "i32", "NS": "i32", "NB": "i32", "k": "i32"}
-c = dict(G=32, NGP=8192, NSP=256, NBP=128, MAXG=128, KP=32, KC=256, KS=256, TG=32, TGM=1024, SHIFT=16,
-         EMULATE=False)
+c = dict(G=32, RS=32, NGP=8192, NSP=256, NBP=128, MAXG=128, GW=128, KP=32, KC=256, KS=256, TG=32, TGM=1024,
+         HT=1024, SHIFT=16, NPASS=3, DB=6, EMULATE=False)
 src = triton.compiler.ASTSource(K._select_kernel, sig, constexprs=c)
 opts = {"num_warps": 2, "enable_fp_fusion": False}
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"])

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from tests.kernels.test_tree_topk import FIELDS, grid_logits, make_logits
+from tests.kernels.test_tree_topk import FIELDS, grid_logits, make_logits, plateau_logits
 
 from kdtree_engine import tree as T
 from kdtree_engine.kernels import tree_topk
@@ -55,7 +55,7 @@ def test_small_vocab_shape_of_the_report_gpu():
 @pytest.mark.parametrize("b,depth", [(1, 1), (3, 8), (2, 16)])
 @pytest.mark.parametrize("kind", ["bf16", "smooth", "flat"])
 def test_kimi_vocab_gpu(b, depth, kind):
-    """V = 163840 bf16 rows: random, coarse (many ties) and constant (the bisection path)."""
+    """V = 163840 bf16 rows: random, coarse (many ties) and constant (the exact path)."""
     cuda = torch.device("cuda")
     x = make_logits(b * depth, b, depth, KIMI_VOCAB, kind).bfloat16()
     want_lp, want_ids = ref.logits_to_topk(x, 100)
@@ -64,6 +64,43 @@ def test_kimi_vocab_gpu(b, depth, kind):
         assert_topk_equal(tree_topk.logits_topk(x.to(cuda), budget), want)
         got = T.build_tree_from_logits(x.to(cuda), budget)
         assert_same_tree(got, ref.build_tree(*want, budget))
+
+
+PLATEAU_GPU = [  # (kind, dtype): every kind in bf16, the dtypes whose keys shift differently on some
+    ("all_equal", torch.bfloat16),
+    ("all_equal", torch.float32),
+    ("all_but_three", torch.bfloat16),
+    ("all_but_three", torch.float16),
+    ("straddle", torch.bfloat16),
+    ("straddle", torch.float32),
+    ("few_values", torch.bfloat16),
+    ("signed_zero", torch.bfloat16),
+    ("signed_zero", torch.float32),
+    ("coarse", torch.bfloat16),
+    ("crowded", torch.bfloat16),
+    ("crowded", torch.float32),
+    ("crowded", torch.float16),
+]
+
+
+@pytest.mark.parametrize("b,depth", [(1, 1), (4, 15), (64, 15)])
+@pytest.mark.parametrize("kind,dtype", PLATEAU_GPU, ids=lambda v: str(v).replace("torch.", ""))
+def test_plateaus_kimi_vocab_gpu(kind, dtype, b, depth):
+    """Plateaus and heavy ties at V = 163840 (the select's exact path; tests/kernels/test_tree_topk.py
+    plateau_logits): top-k and trees against the CPU reference, on every 8th request at B = 64 (the
+    kernels run on all 64 x 15 rows; the CPU reference is slow at that size)."""
+    x = plateau_logits(kind, b * depth, b, depth, KIMI_VOCAB, 128).to(dtype)
+    req = slice(None, None, 8 if b > 8 else 1)
+    want_lp, want_ids = ref.logits_to_topk(x[req], 128)
+    x = x.cuda()
+    for budget in (1, 8, 32, 128):
+        want = want_lp[..., :budget], want_ids[..., :budget]  # a prefix of the top-128 is the top-k
+        lp, ids = tree_topk.logits_topk(x, budget)
+        assert_topk_equal((lp[req], ids[req]), want)
+        got = T.build_tree_from_logits(x, budget)
+        expect = ref.build_tree(*want, budget)
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f)[req].cpu(), getattr(expect, f)), f
 
 
 def test_reference_is_device_independent_gpu():
@@ -79,7 +116,7 @@ def test_reference_is_device_independent_gpu():
     "knobs", [{"max_groups": 8}, {"select_warps": 4}, {"select_warps": 1, "select_maxnreg": 128}]
 )
 def test_select_paths_and_launch_shapes_gpu(knobs):
-    """The bisection path forced at the Kimi vocab, and the select at 4 warps (the default for few rows)
+    """The exact path forced at the Kimi vocab, and the select at 4 warps (the default for few rows)
     and 1 warp (each knob compiles its own select)."""
     x = make_logits(7, 2, 4, KIMI_VOCAB, "bf16").bfloat16()
     for budget in (8, 64):

@@ -225,10 +225,20 @@ def markdown(rows: list[dict], header: str) -> str:
     heads = ["batch", "method", "budget", "tokens/s", "speedup", "tau", "fwd/token", "c(N)/c(1)",
              "efficiency", "round ms", "overhead", "same as AR"]  # fmt: skip
     body = [
-        [r["batch"], r["method"], r["budget"] or "-", r["tokens_per_s"], f"{r['speedup']:.2f}x",
-         f"{r['tau']:.2f}", f"{r['forwards_per_token']:.3f}", f"{r['c_N_over_c_1']:.2f}",
-         f"{r['efficiency']:.2f}", f"{r['round_ms']:.2f}", f"{100 * r['overhead']:.0f}%",
-         "yes" if r.get("same_as_ar", True) else "no"]  # fmt: skip
+        [
+            r["batch"],
+            r["method"],
+            r["budget"] or "-",
+            r["tokens_per_s"],
+            f"{r['speedup']:.2f}x",
+            f"{r['tau']:.2f}",
+            f"{r['forwards_per_token']:.3f}",
+            f"{r['c_N_over_c_1']:.2f}",
+            f"{r['efficiency']:.2f}",
+            f"{r['round_ms']:.2f}",
+            f"{100 * r['overhead']:.0f}%",
+            "yes" if r.get("same_as_ar", True) else "no",
+        ]  # fmt: skip
         for r in rows
     ]
     stages = ["batch", "method", "budget"] + [
@@ -236,7 +246,10 @@ def markdown(rows: list[dict], header: str) -> str:
     ]
     stage_rows = [
         [r["batch"], r["method"], r["budget"] or "-"]
-        + [f"{r['stages_ms'].get(k, 0.0):.3f}" for k in ("draft", "tree_build", "compile", "verify", "accept", "commit")]
+        + [
+            f"{r['stages_ms'].get(k, 0.0):.3f}"
+            for k in ("draft", "tree_build", "compile", "verify", "accept", "commit")
+        ]
         for r in rows
     ]
     roof = sorted({(r["batch"], r["decode_ms"], r["roofline_ms"]) for r in rows})
@@ -269,7 +282,10 @@ def main(args: argparse.Namespace) -> int:
     for batch in args.batch:
         for r in bench_batch(target, batch, args, device):
             rows.append(r)
-            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            print(
+                json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
+                flush=True,
+            )
         (args.out / "e2e.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
         (args.out / "e2e.md").write_text(markdown(rows, header))
     labels = [str(b) for b in args.batch]

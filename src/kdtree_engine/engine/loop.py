@@ -28,6 +28,7 @@ from kdtree_engine.engine.sampling import accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
+from kdtree_engine.ref.sampling import stream_key_table
 from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
 
 __all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "chain_tree", "generate"]
@@ -178,9 +179,16 @@ class _Stages:
 
     def __init__(self, run: _Run, state: _State) -> None:
         self.run, self.s = run, state
-        greedy = run.config.sampling.greedy  # sampled accept passes its noise offset from the host
+        self.keys = self.draw = None
+        device = state.start.device
+        if not run.config.sampling.greedy and _use_graphs(run, device):
+            # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
+            table = stream_key_table(run.noise_seed, run.config.max_new_tokens + 2)
+            self.keys = table.to(device)
+            self.draw = torch.tensor([run.draws], device=device)
+        accept_capturable = run.config.sampling.greedy or self.keys is not None
         if run.config.method == "autoregressive":
-            self.order = [("verify", self.decode, True), ("accept", self.accept_one, greedy)]
+            self.order = [("verify", self.decode, True), ("accept", self.accept_one, accept_capturable)]
         else:
             drafter = bool(getattr(run.drafter, "capturable", False))
             self.order = [
@@ -188,9 +196,20 @@ class _Stages:
                 ("tree_build", self.tree_build, True),
                 ("compile", self.compile, True),
                 ("verify", self.verify, True),
-                ("accept", self.accept, greedy),
+                ("accept", self.accept, accept_capturable),
             ]
         self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
+
+    def _choose(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
+        """_accept, with the sampled draw's keys read on the device when the stages are captured."""
+        if self.keys is None:
+            return _accept(self.run, tree, logits)
+        keys = self.keys.index_select(0, self.draw.clamp(max=self.keys.shape[0] - 1)).view(2)
+        config = self.run.config
+        acc = accept_tokens(tree, logits, config.sampling, seed=self.run.noise_seed, offset=None,
+                            impl=config.impl, stream_keys=keys)  # fmt: skip
+        self.draw.add_(1)
+        return acc
 
     def _put(self, name: str, value: torch.Tensor) -> None:
         old = getattr(self, name, None)
@@ -201,7 +220,9 @@ class _Stages:
 
     def draft(self) -> None:
         run, s = self.run, self.s
-        self._put("draft_logits", run.drafter.draft(run.target, s.ctx, s.ctx_lens, s.bonus, s.start, s.dcache))
+        self._put(
+            "draft_logits", run.drafter.draft(run.target, s.ctx, s.ctx_lens, s.bonus, s.start, s.dcache)
+        )
 
     def tree_build(self) -> None:
         run = self.run
@@ -232,8 +253,8 @@ class _Stages:
     def accept(self) -> None:
         """The walk, then the commit on the device: the accepted rows of the target cache, their features
         for the drafter, the committed tokens (accepted nodes after the root, then the bonus token)."""
-        run, s = self.run, self.s
-        acc = _accept(run, self.tree, self.out.logits)
+        s = self.s
+        acc = self._choose(self.tree, self.out.logits)
         n = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
         s.cache.compact(s.start, acc.accepted, n, validate=False)
         idx = acc.accepted.clamp(min=0)  # [B, L + 1]
@@ -249,11 +270,14 @@ class _Stages:
     def decode(self) -> None:
         run, s = self.run, self.s
         lengths = s.active.long()  # a done request rewrites its row and keeps its length
-        self.logits = run.target(s.bonus[:, None], s.cache, lengths=lengths, impl=run.impl, validate=False).logits
+        self.logits = run.target(
+            s.bonus[:, None], s.cache, lengths=lengths, impl=run.impl, validate=False
+        ).logits
 
     def accept_one(self) -> None:
-        run, s = self.run, self.s
-        token = _pick(run, self.logits[:, 0])
+        s = self.s
+        logits = self.logits[:, :1]
+        token = self._choose(root_tree(logits.shape[0], logits.device), logits).bonus
         n = s.active.long()
         s.put("committed", torch.stack([n, token], dim=1))
         s.bonus.copy_(torch.where(s.active, token, s.bonus))
@@ -286,7 +310,9 @@ def _use_graphs(run: _Run, device: torch.device) -> bool:
     wanted = run.config.cuda_graphs
     possible = device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
     if wanted and not possible:
-        raise ValueError("cuda_graphs: needs a CUDA target and a kernel impl (impl 'triton', 'hopper' or None)")
+        raise ValueError(
+            "cuda_graphs: needs a CUDA target and a kernel impl (impl 'triton', 'hopper' or None)"
+        )
     return possible if wanted is None else wanted
 
 

@@ -65,20 +65,28 @@ def root_tree(batch: int, device: torch.device | str) -> DraftTree:
 
 
 def accept_tokens(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, *, seed: int, offset: int, impl=None
+    tree: DraftTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    seed: int,
+    offset: int | None,
+    impl=None,
+    stream_keys: torch.Tensor | None = None,
 ) -> AcceptResult:
     """logits [B, N, V] (N = budget + 1) -> AcceptResult: the target's token at every node is its argmax
-    (greedy) or a sample drawn with accept_sampled's seeded noise (seed, offset); then the tree walk."""
+    (greedy) or a sample drawn with accept_sampled's seeded noise, keyed by (seed, offset) or by the
+    device-resident stream_keys of (seed, offset) (offset None then); then the tree walk."""
     if params.greedy:
         return accept_greedy(tree, logits.argmax(dim=-1), impl=impl)
+    keyed = dict(stream_keys=stream_keys) if stream_keys is not None else dict(seed=seed, offset=offset)
     acc, _ = accept_sampled(
         tree,
         logits,
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,
-        seed=seed,
-        offset=offset,
         impl=impl,
+        **keyed,
     )
     return acc

@@ -109,10 +109,15 @@ def _sample_seeded_kernel(
     temperature,
     p0,
     p1,
+    keys_ptr,
     BLOCK: tl.constexpr,
     NT: tl.constexpr,
+    KEYS_IN_MEMORY: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if KEYS_IN_MEMORY:  # the stream keys of this draw, written by the device (a replayed graph)
+        p0 = tl.load(keys_ptr)
+        p1 = tl.load(keys_ptr + 1)
     b = (row // N).to(tl.uint32)
     n = (row % N).to(tl.uint32)
     r0 = _mix32(_mix32(p0.to(tl.uint32, bitcast=True) ^ b) ^ n)
@@ -146,14 +151,15 @@ def _as_int32(key: int) -> int:
 def sample_tokens(
     logits: torch.Tensor, noise, cutoffs: torch.Tensor, temperature: float, *, block: int | None = None
 ) -> torch.Tensor:
-    """logits [B, N, V] float, noise [B, N, V] float32 or ref.sampling.Seeded, cutoffs [B, N] float32
+    """logits [B, N, V] float, noise [B, N, V] float32, ref.sampling.Seeded, or the Seeded stream keys
+    [2] int32 on the device (ref.sampling.stream_key_table's row of the draw), cutoffs [B, N] float32
     (validated, one device), temperature a float32 value > 0 -> tokens [B, N] int64, equal to
     ref.sampling.sample_tokens. block: vocab tile (a power of two; default min(2048 or 4096, V))."""
     b, n, vocab = logits.shape
     out = torch.zeros((b, n), dtype=torch.int64, device=logits.device)
     if b * n == 0 or vocab == 0:
         return out
-    seeded = isinstance(noise, ref.Seeded)
+    seeded = isinstance(noise, ref.Seeded) or noise.dtype == torch.int32
     block = block or min(2048 if seeded else 4096, triton.next_power_of_2(vocab))
     meta = dict(BLOCK=block, NT=triton.cdiv(vocab, block), num_warps=8)
     if not seeded:
@@ -161,7 +167,11 @@ def sample_tokens(
             logits.contiguous(), noise.contiguous(), cutoffs.contiguous(), out, vocab, temperature, **meta
         )
         return out
-    p0, p1 = ref.stream_keys(noise.seed, noise.offset)
+    if isinstance(noise, torch.Tensor):  # stream keys [2] int32 on the device
+        p0, p1, keys = 0, 0, noise
+    else:
+        p0, p1 = (_as_int32(k) for k in ref.stream_keys(noise.seed, noise.offset))
+        keys = out  # unread
     recip, log = _tables(logits.device)
     _sample_seeded_kernel[(b * n,)](
         logits.contiguous(),
@@ -172,8 +182,10 @@ def sample_tokens(
         vocab,
         n,
         temperature,
-        _as_int32(p0),
-        _as_int32(p1),
+        p0,
+        p1,
+        keys,
+        KEYS_IN_MEMORY=isinstance(noise, torch.Tensor),
         **meta,
     )
     return out

@@ -7,7 +7,20 @@ normalizer partial (its max and the int64 fixed-point sum of exp(x - max)). `_se
 bound of the k-th largest logit, by bisection over V / S values; the groups whose max is >= T0 are
 listed in one pass over the group maxima, and their logits >= T0 (about k) are compacted as int64 keys
 `ordered(value) << 32 | (2^32 - 1 - id)`, distinct and ordered by value then smaller id, and sorted in
-registers. Heavy ties (more than MAXG groups or KC logits) take the bisection path (_slow_select).
+registers.
+
+Rows where that overflows (more than MAXG groups or KC logits >= T0: plateaus of equal logits, coarse
+bf16 values, top logits crowded into a few groups) take the exact path (_exact_select), whose work is
+bounded by k, not V. Order units (super groups, groups, logits) by (max, then smaller index): the top k
+logits lie in the top k groups, and those in the top k super groups, because of two units with equal
+maxima the one with the smaller index holds smaller ids. So it selects the top k super groups (in
+registers, from the maxima already loaded), then the top k of their k * S / G groups, then the top k of
+those groups' k * G logits. Each of the last two levels is a radix select of the k-th largest value
+(6-bit digits, one histogram pass per digit, started from the level above's k-th value as a lower
+bound: when fewer than k items exceed it, as on plateaus, the first pass ends the search) and one pass
+that takes every item above that value and the first ties in index order. Per row that is at most
+2 (digits + 1) passes over k * 32 items (digits: 3 for bf16, 4 for fp16, 6 for fp32), against
+the fast path's one pass over the V / G group maxima and about k groups of logits.
 
 The normalizer runs the operations of ref.tree.log_normalizer one for one: IEEE-754 adds, multiplies,
 max, conversions and integer bit manipulation, no library exp or log, launched with fused
@@ -150,30 +163,6 @@ def _kth_largest(keys, ok, k, LO: tl.constexpr, HI: tl.constexpr, STEPS: tl.cons
 
 
 @triton.jit
-def _group_keys(x_ptr, glist_ptr, row, V, ncg, t0, TG: tl.constexpr, G: tl.constexpr):
-    """Keys and ids [TG * G] of candidate groups t0 .. t0 + TG (listed in glist) of one row."""
-    j = t0 + tl.arange(0, TG)
-    grp = tl.load(glist_ptr + j, mask=j < ncg, other=0).to(tl.int64)
-    idx = grp[:, None] * G + tl.arange(0, G)[None, :]
-    ok = (j < ncg)[:, None] & (idx < V)
-    x = tl.load(x_ptr + row * V + idx, mask=ok, other=0.0).to(tl.float32)
-    key = _ordered32(x).to(tl.int64)
-    return tl.reshape(key, [TG * G]), tl.reshape(idx, [TG * G]), tl.reshape(ok, [TG * G])
-
-
-@triton.jit
-def _count(x_ptr, glist_ptr, row, V, ncg, key_t, id_t, TG: tl.constexpr, G: tl.constexpr, NGP: tl.constexpr):
-    """#(key > key_t) + #(key == key_t & id <= id_t) over the candidate groups."""
-    total = tl.zeros([], tl.int32)
-    for t0 in range(0, NGP, TG):  # constant trip count; tiles past the list are skipped
-        if t0 < ncg:
-            key, idx, ok = _group_keys(x_ptr, glist_ptr, row, V, ncg, t0, TG, G)
-            hit = ok & ((key > key_t) | ((key == key_t) & (idx <= id_t)))
-            total += tl.sum(hit.to(tl.int32), axis=0)
-    return total
-
-
-@triton.jit
 def _emit(top, rank, k, lse, lp_out, ids_out, row):
     """Writes the first k of the sorted packed keys `top` as (logit - lse, id); the logit is decoded
     from the key (the map is an involution), so no logits are read again."""
@@ -186,34 +175,120 @@ def _emit(top, rank, k, lse, lp_out, ids_out, row):
 
 
 @triton.jit
-def _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out,
-                 TG: tl.constexpr, G: tl.constexpr, NGP: tl.constexpr, KP: tl.constexpr):  # fmt: skip
-    """Exact top-k of one row by bisection over its candidate groups (any number of ties): the k-th
-    key's value key first, then among ties on it the id; then the k winners are collected and sorted.
-    keys_row: [KP] int64 scratch of this row."""
-    lo = tl.full([], -(1 << 31), tl.int64)
-    hi = tl.full([], (1 << 31) - 1, tl.int64)
-    for _ in range(33):
-        mid = lo + (hi - lo + 1) // 2
-        enough = _count(x_ptr, glist, row, V, ncg, mid - 1, -1, TG, G, NGP) >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    kth_key = lo
-    lo_id = tl.zeros([], tl.int64)
-    hi_id = lo_id + V - 1
-    for _ in range(33):
-        mid = lo_id + (hi_id - lo_id) // 2
-        enough = _count(x_ptr, glist, row, V, ncg, kth_key, mid, TG, G, NGP) >= k
-        hi_id = tl.where(enough, mid, hi_id)
-        lo_id = tl.where(enough, lo_id, mid + 1)
-    base = tl.zeros([], tl.int32)
-    for t0 in range(0, NGP, TG):
-        if t0 < ncg:
-            s_key, s_id, s_ok = _group_keys(x_ptr, glist, row, V, ncg, t0, TG, G)
-            win = s_ok & ((s_key > kth_key) | ((s_key == kth_key) & (s_id <= lo_id)))
-            pos = base + tl.cumsum(win.to(tl.int32), axis=0) - 1
-            tl.store(keys_row + pos, (s_key << 32) + (LOW32 - s_id), mask=win)
-            base += tl.sum(win.to(tl.int32), axis=0)
+def _items(val_ptr, plist, npar, N, t0, TT: tl.constexpr, R: tl.constexpr):
+    """Items t0 .. t0 + TT of a level of the exact path: item j is child j % R of parent plist[j // R]
+    (child index parent * R + j % R, valid below N). Returns their keys (_ordered32 of the float32
+    values at val_ptr), child indices (int32) and validity, in list order."""
+    j = t0 + tl.arange(0, TT)
+    pos = j // R
+    child = tl.load(plist + pos, mask=pos < npar, other=0) * R + j % R
+    ok = (pos < npar) & (child < N)
+    key = _ordered32(tl.load(val_ptr + child, mask=ok, other=0.0).to(tl.float32))
+    return key, child, ok
+
+
+@triton.jit
+def _kth_value(val_ptr, plist, npar, N, low, k, TT: tl.constexpr, R: tl.constexpr, KPR: tl.constexpr,
+               SHIFT: tl.constexpr, NPASS: tl.constexpr, DB: tl.constexpr):  # fmt: skip
+    """Radix select over the items of a level (_items; at most KPR): (t, n_gt), t the k-th largest
+    shifted key (key >> SHIFT) among the items above `low`, or `low` when fewer than k are above it;
+    n_gt the number of items above t. Pass p histograms digit p (DB bits of u = (key >> SHIFT) - MINK,
+    from the top of its 32 - SHIFT bits) of the items whose higher digits equal t's so far; the first
+    pass also counts the items above `low` and, if fewer than k, ends the search (then t = low: the
+    caller guarantees that at least k items are >= low, or that all items are above it)."""
+    NBITS: tl.constexpr = 32 - SHIFT
+    MINK: tl.constexpr = -(1 << (31 - SHIFT))  # the lowest shifted key (below every float's)
+    BINS: tl.constexpr = 1 << DB
+    bins = tl.arange(0, BINS)
+    low = low.to(tl.int32)
+    kk = k  # rank of t among the items that share the digits found so far
+    pre = tl.zeros([], tl.int64)  # the digits of t's u found so far
+    n_gt = tl.zeros([], tl.int32)
+    n_low = tl.zeros([], tl.int32)
+    go = k > 0
+    for p in tl.static_range(NPASS):
+        lo = DB * (NPASS - 1 - p)  # constexprs
+        dmask = (1 << min(DB, NBITS - lo)) - 1
+        hmask = (1 << max(NBITS - lo - DB, 0)) - 1
+        pre32 = pre.to(tl.int32)  # < 2^(NBITS - lo - DB) <= 2^31
+        h = tl.zeros([BINS], tl.int32)
+        for t0 in range(0, KPR, TT):  # constant trip count; tiles past the list are skipped
+            if (t0 < npar * R) & go:
+                key, child, ok = _items(val_ptr, plist, npar, N, t0, TT, R)
+                sk = key >> SHIFT
+                u = sk ^ MINK  # its low NBITS bits are sk - MINK
+                hit = ok & (sk > low) & (((u >> (lo + DB)) & hmask) == pre32)
+                h += tl.histogram((u >> lo) & dmask, BINS, mask=hit)
+        total = tl.sum(h, axis=0)
+        if p == 0:
+            n_low = total
+            go = total >= k
+        suffix = total - tl.cumsum(h, axis=0) + h  # items in this bin or above, per bin
+        b = tl.sum((suffix >= kk).to(tl.int32), axis=0) - 1  # the bin of the kk-th largest
+        above = tl.sum(tl.where(bins == b, suffix - h, 0), axis=0)
+        kk -= above
+        n_gt += above
+        pre = pre * BINS + b.to(tl.int64)
+    t = tl.where(go, (pre + MINK).to(tl.int32), low)
+    return t, tl.where(go, n_gt, n_low)
+
+
+@triton.jit
+def _take(val_ptr, plist, npar, N, t, n_gt, k, out, TT: tl.constexpr, R: tl.constexpr, KPR: tl.constexpr,
+          SHIFT: tl.constexpr, PACK: tl.constexpr):  # fmt: skip
+    """The top k items of a level, by (shifted key, then list order), given t and n_gt of _kth_value:
+    every item above t and the first k - n_gt equal to t, written in list order to `out`: their child
+    indices (int32), or with PACK their packed keys (int64, key << 32 | 2^32 - 1 - child)."""
+    need = k - n_gt
+    n_eq = tl.zeros([], tl.int32)
+    n_out = tl.zeros([], tl.int32)
+    for t0 in range(0, KPR, TT):
+        if t0 < npar * R:
+            key, child, ok = _items(val_ptr, plist, npar, N, t0, TT, R)
+            sk = key >> SHIFT
+            eq = ok & (sk == t)
+            sel = (ok & (sk > t)) | (eq & (n_eq + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+            pos = n_out + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            if PACK:
+                tl.store(out + pos, (key.to(tl.int64) << 32) + (LOW32 - child.to(tl.int64)), mask=sel)
+            else:
+                tl.store(out + pos, child, mask=sel)
+            n_eq += tl.sum(eq.to(tl.int32), axis=0)
+            n_out += tl.sum(sel.to(tl.int32), axis=0)
+    return n_out
+
+
+@triton.jit
+def _exact_select(x_ptr, gmax_ptr, sk_s, ok_s, sidx, top, glist, keys_row, row, V, NG, k, lse, lp_out,
+                  ids_out, G: tl.constexpr, RS: tl.constexpr, KP: tl.constexpr, HT: tl.constexpr,
+                  SHIFT: tl.constexpr, NPASS: tl.constexpr, DB: tl.constexpr):  # fmt: skip
+    """Exact top-k of one row with any ties, in three levels of (max, then smaller index) order: the top
+    k logits lie in the top k groups, and those in the top k super groups (of two tied units, the one
+    with the smaller index holds smaller ids). Level 1, in registers: the top k super groups from their
+    maxima sk_s (shifted keys) and the k-th largest, top (the lowest key when k > NS: all of them).
+    Level 2: the top k groups among their k * RS groups; level 3: the top k logits among those groups'
+    k * G logits. Each is a radix select of the k-th largest value (_kth_value, from the level above's
+    k-th as a lower bound) and a pass that takes every item above it and the first ties in index order
+    (_take). glist: [2 KP] int32 scratch of the row (the super-group list, then the group list)."""
+    tl.debug_barrier()  # the fast path's readers of glist and keys are done
+    gt = ok_s & (sk_s > top)
+    eq = ok_s & (sk_s == top)
+    sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= k - tl.sum(gt.to(tl.int32), axis=0)))
+    tl.store(glist + tl.cumsum(sel.to(tl.int32), axis=0) - 1, sidx, mask=sel)
+    n_sup = tl.sum(sel.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    # Tiles of HT items even when fewer are listed: a tile smaller than the program's threads would be
+    # replicated across warps, which tl.histogram would count twice.
+    gmax_row = gmax_ptr + row * NG
+    clist = glist + KP
+    N2: tl.constexpr = max(KP * RS, HT)
+    t_g, n_gt = _kth_value(gmax_row, glist, n_sup, NG, top, k, HT, RS, N2, SHIFT, NPASS, DB)
+    n_grp = _take(gmax_row, glist, n_sup, NG, t_g, n_gt, k, clist, HT, RS, N2, SHIFT, False)
+    tl.debug_barrier()
+    x_row = x_ptr + row * V
+    N3: tl.constexpr = max(KP * G, HT)
+    t_x, n_gt = _kth_value(x_row, clist, n_grp, V, t_g, k, HT, G, N3, SHIFT, NPASS, DB)
+    _take(x_row, clist, n_grp, V, t_x, n_gt, k, keys_row, HT, G, N3, SHIFT, True)
     tl.debug_barrier()
     slot = tl.arange(0, KP)
     winners = tl.sort(tl.load(keys_row + slot, mask=slot < k, other=NONE), descending=True)
@@ -222,16 +297,19 @@ def _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out,
 
 @triton.jit
 def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, keys_ptr, lp_out, ids_out, V, NG,
-                   NS, NB, k, G: tl.constexpr, NGP: tl.constexpr, NSP: tl.constexpr, NBP: tl.constexpr,
-                   MAXG: tl.constexpr, KP: tl.constexpr, KC: tl.constexpr, KS: tl.constexpr, TG: tl.constexpr,
-                   TGM: tl.constexpr, SHIFT: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+                   NS, NB, k, G: tl.constexpr, RS: tl.constexpr, NGP: tl.constexpr, NSP: tl.constexpr,
+                   NBP: tl.constexpr, MAXG: tl.constexpr, GW: tl.constexpr, KP: tl.constexpr,
+                   KC: tl.constexpr, KS: tl.constexpr, TG: tl.constexpr, TGM: tl.constexpr, HT: tl.constexpr,
+                   SHIFT: tl.constexpr, NPASS: tl.constexpr, DB: tl.constexpr,
+                   EMULATE: tl.constexpr):  # fmt: skip
     """The select of one row, after _partials_kernel. T0 = the k-th largest super-group max is a lower
     bound of the k-th largest logit (the k best super groups each hold a logit >= T0), found by
     bisection over NS values on keys shifted right by SHIFT (the low float32 bits that bf16 / fp16
     logits leave zero). Every top-k logit is >= T0 and sits in a group whose max is >= T0: one pass
     over the group maxima in TGM-wide tiles lists those groups (about k for smooth logits); their
     logits >= T0 are compacted as int64 keys (<= KC) and sorted. More than MAXG groups or KC logits
-    (heavy ties) -> _slow_select. Scratch: glist [R, NGP] int32, keys [R, KS] int64."""
+    (ties, or top logits crowded into few groups) -> _exact_select, whose work does not depend on V
+    (RS = groups per super group). Scratch: glist [R, GW] int32, keys [R, KS] int64."""
     row = tl.program_id(0).to(tl.int64)
     lse = _normalizer(bmax_ptr, bsum_ptr, row, NB, NBP, EMULATE)
     sidx = tl.arange(0, NSP)
@@ -241,13 +319,14 @@ def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, key
     top = _kth_largest(skey >> SHIFT, sidx < NS, k, lo_key >> SHIFT, hi_key >> SHIFT, 33 - SHIFT)
     thr = tl.where(k > NS, lo_key, top << SHIFT).to(tl.int32)
 
-    glist = glist_ptr + row * NGP
+    glist = glist_ptr + row * GW
     ncg = tl.zeros([], tl.int32)
     for t0 in range(0, NGP, TGM):  # constant trip count; tiles past NG are skipped
         if t0 < NG:
             g = t0 + tl.arange(0, TGM)
             cand = (g < NG) & (_ordered32(tl.load(gmax_ptr + row * NG + g, mask=g < NG, other=0.0)) >= thr)
-            tl.store(glist + ncg + tl.cumsum(cand.to(tl.int32), axis=0) - 1, g, mask=cand)
+            pos = ncg + tl.cumsum(cand.to(tl.int32), axis=0) - 1
+            tl.store(glist + pos, g, mask=cand & (pos < MAXG))  # a longer list is not read
             ncg += tl.sum(cand.to(tl.int32), axis=0)
     tl.debug_barrier()
 
@@ -275,10 +354,12 @@ def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, key
             _emit(small, few, k, lse, lp_out, ids_out, row)
             done += 1
     if done == 0:
-        _slow_select(x_ptr, glist, keys_row, row, V, ncg, k, lse, lp_out, ids_out, TG, G, NGP, KP)
+        _exact_select(x_ptr, gmax_ptr, skey >> SHIFT, sidx < NS, sidx, top, glist, keys_row, row, V, NG, k,
+                      lse, lp_out, ids_out, G, RS, KP, HT, SHIFT, NPASS, DB)  # fmt: skip
 
 
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13}  # float32 bits that are always zero
+RADIX_BITS = 6  # digit of the exact path's radix select: 64-bin histograms, 3 passes for bf16, 6 for fp32
 
 
 def logits_topk(logits: torch.Tensor, k: int, **knobs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,14 +379,15 @@ def topk_launches(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, 
     """The output buffers of logits_topk and its two launches as closures (the partials, then the
     select), so that each launch can be timed alone (scripts/probe_topk.py).
 
-    Knobs (tests shrink them to reach the fallbacks at small shapes): block (logits per partials
-    program, a power of two; the normalizer's block, so the reference must be given the same one),
-    group (G, logits per group max), super_group (S), max_groups (MAXG, the fast path's capacity in
-    groups), max_compact (KC, its capacity in logits), partial_warps (warps per partials program),
-    select_warps and select_maxnreg (the select's warps and register cap per thread; default: 2 warps
-    capped at 128 registers when there are more than 4 rows per multiprocessor, so that more rows'
-    selects are resident at once, else 4 warps). Under the Triton interpreter (CPU) the group, super
-    group and fast-path sizes are smaller: its register sort is slow at the GPU's sizes."""
+    Knobs (tests shrink them to reach the exact path at small shapes; max_groups=1 sends every row
+    there when k >= 2 and V > G): block (logits per partials program, a power of two; the normalizer's
+    block, so the reference must be given the same one), group (G, logits per group max), super_group
+    (S), max_groups (MAXG, the fast path's capacity in groups), max_compact (KC, its capacity in
+    logits), partial_warps (warps per partials program), select_warps and select_maxnreg (the select's
+    warps and register cap per thread; default: 2 warps capped at 128 registers when there are more
+    than 4 rows per multiprocessor, so that more rows' selects are resident at once, else 4 warps).
+    Under the Triton interpreter (CPU) the group, super group, fast-path and exact-path tile sizes are
+    smaller: its register sort is slow at the GPU's sizes."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     group = group or (8 if interpreting else 32)
     if block & (block - 1) or not group <= block <= 4096:
@@ -328,13 +410,15 @@ def topk_launches(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, 
     bsum = torch.empty((rows, n_blocks), dtype=torch.int64, device=dev)
     kp, ngp = triton.next_power_of_2(k), triton.next_power_of_2(n_groups)
     kc = max_compact or max(64, triton.next_power_of_2(8 * k))
-    glist = torch.empty((rows, ngp), dtype=torch.int32, device=dev)
-    keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
     maxg = max_groups or max(16 if interpreting else 64, triton.next_power_of_2(4 * k))
-    sizes = dict(G=group, NGP=ngp, NSP=triton.next_power_of_2(n_sup), NBP=triton.next_power_of_2(n_blocks),
-                 MAXG=maxg, KP=kp, KC=kc, KS=max(kp, kc), TG=min(32, ngp),
-                 TGM=min(256 if interpreting else 1024, ngp), SHIFT=_KEY_SHIFT.get(logits.dtype, 0),
-                 EMULATE=interpreting)  # fmt: skip
+    glist = torch.empty((rows, max(maxg, 2 * kp)), dtype=torch.int32, device=dev)
+    keys = torch.empty((rows, max(kp, kc)), dtype=torch.int64, device=dev)
+    shift = _KEY_SHIFT.get(logits.dtype, 0)
+    tile = 256 if interpreting else 1024
+    sizes = dict(G=group, RS=sup // group, NGP=ngp, NSP=triton.next_power_of_2(n_sup),
+                 NBP=triton.next_power_of_2(n_blocks), MAXG=maxg, GW=glist.shape[1], KP=kp, KC=kc,
+                 KS=max(kp, kc), TG=min(32, ngp), TGM=min(tile, ngp), HT=tile, SHIFT=shift,
+                 NPASS=triton.cdiv(32 - shift, RADIX_BITS), DB=RADIX_BITS, EMULATE=interpreting)  # fmt: skip
     if select_warps is None:  # many rows: twice as many selects resident per multiprocessor
         many = not interpreting and rows > 4 * multiprocessors(logits.get_device())
         select_warps, select_maxnreg = (2, select_maxnreg or 128) if many else (4, select_maxnreg)

@@ -90,7 +90,9 @@ class _StackedExperts:
         out = []
         for key, done in self.filled.items():
             kinds = ("down",) if key.endswith("down_proj") else ("gate", "up")
-            out += [f"{key}[{e}].{k}" for e in range(self.shapes[key][0]) for k in kinds if (e, k) not in done]
+            out += [
+                f"{key}[{e}].{k}" for e in range(self.shapes[key][0]) for k in kinds if (e, k) not in done
+            ]
         return out
 
 

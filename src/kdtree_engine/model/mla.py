@@ -110,7 +110,9 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin, c.rope_interleave, impl)  # [b, t, d_r]
         return torch.cat([self.kv_a_layernorm(c_kv, impl), k_pe], dim=-1)
 
-    def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl="ref") -> torch.Tensor:
+    def absorbed_query(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, impl="ref"
+    ) -> torch.Tensor:
         """x [b, t, hidden] -> q_abs [b, t, h, r + d_r] = [q_nope @ W_UK, roped q_pe]."""
         c = self.c
         q_nope, q_pe = self._query(x, impl).split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)

@@ -199,6 +199,13 @@ class Seeded:
     offset: int = 0
 
 
+def stream_key_table(seed: int, offsets: int) -> torch.Tensor:
+    """[offsets, 2] int32: stream_keys(seed, o) for o in 0..offsets-1, bit-cast to signed int32, for a
+    caller that picks the offset of each draw on the device (a CUDA graph replayed once per draw)."""
+    table = torch.tensor([stream_keys(seed, o) for o in range(offsets)], dtype=torch.int64)
+    return torch.where(table >= 1 << 31, table - (1 << 32), table).to(torch.int32)
+
+
 def seeded_noise(batch: int, nodes: int, vocab: int, seeded: Seeded) -> torch.Tensor:
     """The seeded Gumbel noise materialized [B, N, V] float32 (CPU): what Seeded stands for."""
     r0, r1 = row_keys(seeded.seed, seeded.offset, batch, nodes)

@@ -152,6 +152,17 @@ def _check_noise(noise, generator, seed, offset, logits: torch.Tensor):
     return v.check_float(noise, "noise").contiguous()
 
 
+def _check_stream_keys(keys, noise, generator, seed, offset, logits, impl) -> torch.Tensor:
+    if noise is not None or generator is not None or seed is not None or offset is not None:
+        raise ValueError("stream_keys: give stream_keys alone, without noise, generator, seed or offset")
+    if not isinstance(keys, torch.Tensor) or keys.shape != (2,) or keys.dtype != torch.int32:
+        raise ValueError("stream_keys: expected a [2] int32 tensor (a row of ref.sampling.stream_key_table)")
+    v.check_same_device({"target_logits": logits, "stream_keys": keys})
+    if logits.device.type != "cuda" or resolve_impl(impl, logits.device) != "triton":
+        raise ValueError("stream_keys: needs CUDA tensors and a kernel impl (use seed and offset otherwise)")
+    return keys.contiguous()
+
+
 def accept_sampled(
     tree: DraftTree,
     target_logits,
@@ -163,6 +174,7 @@ def accept_sampled(
     noise=None,
     seed: int | None = None,
     offset: int | None = None,
+    stream_keys: torch.Tensor | None = None,
     impl: str | None = None,
 ) -> tuple[AcceptResult, torch.Tensor]:
     """Sampled verification: draw the target's token at every node, then walk as accept_greedy.
@@ -175,6 +187,9 @@ def accept_sampled(
     - `noise` [B, N, V] float32 standard Gumbel noise;
     - drawn from `generator` (else torch's default generator) on the logits' device ([B, N, V] float32
       memory, like `noise`).
+    - `stream_keys` [2] int32 on the logits' device: the keys of (seed, offset) computed beforehand
+      (a row of ref.sampling.stream_key_table), so that a CUDA graph can pick the offset of each draw
+      on the device; kernel impls on CUDA only. The same tokens as that (seed, offset).
     Given the same noise, or the same (seed, offset), the reference and the kernel return identical
     results (see ref/sampling.py for the exact rule).
     Returns (AcceptResult, sampled [B, N] int64 target tokens).
@@ -188,7 +203,10 @@ def accept_sampled(
         raise ValueError(f"target_logits: expected shape {shape + ('V>=1',)}, got {tuple(logits.shape)}")
     v.require_float(logits, "target_logits")
     v.check_same_device({"tree": tree.tokens, "target_logits": logits})
-    noise = _check_noise(noise, generator, seed, offset, logits)
+    if stream_keys is not None:
+        noise = _check_stream_keys(stream_keys, noise, generator, seed, offset, logits, impl)
+    else:
+        noise = _check_noise(noise, generator, seed, offset, logits)
     cutoffs = ref_sampling.sampling_cutoffs(logits, temperature, top_k, top_p)
     t32 = ref_sampling.float32_temperature(temperature)
     if resolve_impl(impl, tree.device) == "triton":
