@@ -138,3 +138,19 @@ def test_tensor_and_flat_prompts():
     a = generate(target, drafter, torch.tensor([[4, 5, 6]]), config).tokens
     b = generate(target, drafter, [4, 5, 6], config).tokens
     assert a == b and len(a) == 1
+
+
+def test_stream_keys_need_cuda_and_exclude_seed():
+    import torch
+
+    from kdtree_engine.tree import accept_sampled, build_tree_from_logits
+
+    tree = build_tree_from_logits(torch.randn(1, 2, 10), 2)
+    logits = torch.randn(1, 3, 10)
+    keys = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="stream_keys: needs CUDA"):
+        accept_sampled(tree, logits, temperature=1.0, stream_keys=keys)
+    with pytest.raises(ValueError, match="stream_keys: give stream_keys alone"):
+        accept_sampled(tree, logits, temperature=1.0, stream_keys=keys, seed=1)
+    with pytest.raises(ValueError, match=r"stream_keys: expected a \[2\] int32"):
+        accept_sampled(tree, logits, temperature=1.0, stream_keys=keys.long())

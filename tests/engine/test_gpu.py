@@ -137,3 +137,17 @@ def test_no_memory_growth_over_10000_rounds():
     out = generate(target, drafter, prompts, config, on_tokens=sample, stage_timing=False)
     assert out.stats.rounds >= 9_999
     assert seen["last"] == seen[True], (seen[True], seen["last"])
+
+
+def test_stream_keys_draw_the_same_tokens_as_seed_and_offset():
+    from kdtree_engine.ref.sampling import stream_key_table
+    from kdtree_engine.tree import accept_sampled, build_tree_from_logits
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    tree = build_tree_from_logits(torch.randn(3, 5, 300, device=DEVICE, generator=gen), 8)
+    logits = torch.randn(3, 9, 300, device=DEVICE, generator=gen)
+    table = stream_key_table(12345, 4).to(DEVICE)
+    for offset in range(4):
+        want = accept_sampled(tree, logits, temperature=0.8, top_p=0.9, seed=12345, offset=offset)[1]
+        got = accept_sampled(tree, logits, temperature=0.8, top_p=0.9, stream_keys=table[offset])[1]
+        assert torch.equal(got, want)
