@@ -261,6 +261,20 @@ def markdown(rows: list[dict], header: str) -> str:
     ])  # fmt: skip
 
 
+def report(rows: list[dict], header: str, out: Path) -> None:
+    """e2e.json, e2e.md and e2e.png (tokens/s per batch size and method) under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    (out / "e2e.md").write_text(markdown(rows, header))
+    batches = sorted({r["batch"] for r in rows})
+    series: dict[str, list] = {}
+    for r in rows:
+        name = r["method"] + (f" {r['budget']}" if r["method"] == "ddtree" else "")
+        series.setdefault(name, [None] * len(batches))[batches.index(r["batch"])] = r["tokens_per_s"]
+    title = "bench e2e: tokens/s, scaled-down Kimi shape, bf16, stand-in drafter"
+    plot_series(out / "e2e.png", title, [f"batch {b}" for b in batches], series, ylabel="tokens/s")
+
+
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench e2e: needs a CUDA GPU", file=__import__("sys").stderr)
@@ -277,22 +291,11 @@ def main(args: argparse.Namespace) -> int:
         f"{args.prompt_len}, {args.new_tokens} new tokens; {CAPTURE_NOTE}; copy {args.copy_bw / 1e9:.0f} GB/s (read + written)"
     )
     print(header, f"(target built in {time.perf_counter() - t0:.1f} s)", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for batch in args.batch:
         for r in bench_batch(target, batch, args, device):
             rows.append(r)
-            print(
-                json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
-                flush=True,
-            )
-        (args.out / "e2e.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-        (args.out / "e2e.md").write_text(markdown(rows, header))
-    labels = [str(b) for b in args.batch]
-    series = {}
-    for r in rows:
-        name = r["method"] + (f" {r['budget']}" if r["method"] == "ddtree" else "")
-        series.setdefault(name, [None] * len(labels))[labels.index(str(r["batch"]))] = r["tokens_per_s"]
-    plot_series(args.out / "e2e.png", header[:90], [f"batch {b}" for b in labels], series, ylabel="tokens/s")
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        report(rows, header, args.out)  # rewritten per batch size: a cut run keeps what it measured
     print(markdown(rows, header))
     return 0
