@@ -95,3 +95,12 @@ def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
     eos = ours.config.eos_token_id  # the default stop token for checkpoints
     expected = " ".join(f"w{t}" for t in greedy_generate(ours, [[5, 17, 3, 99]], 10, eos_token_id=eos)[0])
     assert f"--- ddtree (budget 32) ---\n{expected}\n" in out
+
+
+def test_no_cuda_graphs_gives_the_same_stream(capsys):
+    streams = []
+    for extra in ([], ["--no-cuda-graphs"]):
+        rc, out, _ = _run(capsys, "--demo", "--max-new-tokens", "12", *extra)
+        assert rc == 0 and "(CUDA graphs)" not in out  # the CPU never captures
+        streams.append(re.findall(r"^--- ddtree.*---\n([\d ]+)\n", out, flags=re.M))
+    assert streams[0] == streams[1] and streams[0]

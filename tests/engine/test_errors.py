@@ -154,3 +154,12 @@ def test_stream_keys_need_cuda_and_exclude_seed():
         accept_sampled(tree, logits, temperature=1.0, stream_keys=keys, seed=1)
     with pytest.raises(ValueError, match=r"stream_keys: expected a \[2\] int32"):
         accept_sampled(tree, logits, temperature=1.0, stream_keys=keys.long())
+
+
+def test_cuda_graphs_setting_is_checked():
+    with pytest.raises(ValueError, match="cuda_graphs: expected None, True or False"):
+        GenerationConfig(max_new_tokens=4, cuda_graphs="yes")
+    target, drafter = tiny_target(0), tiny_drafter(0, block_size=4)
+    config = GenerationConfig(max_new_tokens=4, method="ddtree", budget=4, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs: needs a CUDA target and a kernel impl"):
+        generate(target, drafter, [[1, 2, 3]], config)

@@ -75,8 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "where it applies, Triton elsewhere (default: the fastest that applies)",
     )
     parser.add_argument("--no-stream", action="store_true", help="print the output only at the end")
+    parser.add_argument("--no-stage-timing", action="store_true", help="skip the per-stage timers")
     parser.add_argument(
-        "--no-stage-timing", action="store_true", help="skip per-stage timers (no CUDA syncs between stages)"
+        "--no-cuda-graphs",
+        action="store_true",
+        help="run every decoding round eagerly (default on CUDA with the kernels: rounds are replayed "
+        "from CUDA graphs captured after the first one; the tokens are the same)",
     )
 
 
@@ -116,6 +120,7 @@ def _config(args) -> GenerationConfig:
         seed=args.seed,
         stop_tokens=tuple(args.stop or ()),
         impl=args.impl,
+        cuda_graphs=False if args.no_cuda_graphs else None,
     )
 
 
