@@ -3,7 +3,8 @@
 # the repo root on a CUDA machine. Results are written under $OUT/results (default ./out/results) and
 # packed into $OUT/results.tgz: device.txt, gpu_tests.log, model_gpu.txt, engine_gpu.txt, the engine
 # demo log, and each benchmark's log, table (.md) and plot (.png).
-# Arguments: "tests" or "bench" to run one half only. A checkout of liranringel/ddtree at
+# Arguments: "tests" or "bench" to run one half only; "e2e" runs `kdtree-engine bench e2e` alone (about
+# 4 minutes: it does not fit beside the rest in one 600 s device call). A checkout of liranringel/ddtree at
 # .peers/ddtree (git-ignored) adds the official builder to the tree benchmark, and an SGLang checkout
 # (or just its python/sglang/srt/speculative/ddtree_utils.py) at .peers/sglang adds SGLang's builder.
 set -uo pipefail
@@ -23,6 +24,12 @@ T_TESTS=${T_TESTS:-300} T_DEMO=${T_DEMO:-25} T_TREE=${T_TREE:-70} T_ATTN=${T_ATT
 # pytest-xdist, where installed, spreads the Triton compiles of the GPU sweep over the CPU cores.
 xdist=()
 python3 -c 'import xdist' 2>/dev/null && xdist=(-n 12)
+if [ "$what" = e2e ]; then
+  timeout "${T_E2E:-400}" python3 -m kdtree_engine bench e2e --out "$R/e2e" 2>&1 | tee "$R/bench_e2e.log" \
+    | tail -40 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
 if [ "$what" != bench ]; then
   # gpu-marked tests, plus the golden replays (unmarked: on a GPU they run the kernels on CUDA)
   # --durations names the slowest tests; faulthandler dumps the stack of any test still running after 150 s
@@ -35,7 +42,7 @@ fi
 if [ "$what" != tests ]; then
   peer=()
   [ -d .peers/ddtree ] && peer=(--peer official=.peers/ddtree)
-  [ -d .peers/sglang ] && peer+=(--peer sglang=.peers/sglang)
+  [ -d .peers/sglang ] && peer+=(--peer sglang=.peers/sglang --peer sglang-triton=.peers/sglang)
   timeout "$T_TREE" python3 -m kdtree_engine bench tree --out "$R/tree" --host-iters 3 --iters 20 \
     "${peer[@]}" 2>&1 | tee "$R/bench_tree.log" || status=1
   # the issue's shapes that the goals name (the full default grid takes longer than one device call)
