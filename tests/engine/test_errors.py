@@ -163,3 +163,19 @@ def test_cuda_graphs_setting_is_checked():
     config = GenerationConfig(max_new_tokens=4, method="ddtree", budget=4, cuda_graphs=True)
     with pytest.raises(ValueError, match="cuda_graphs: needs a CUDA target and a kernel impl"):
         generate(target, drafter, [[1, 2, 3]], config)
+
+
+def test_limits_are_checked_before_any_allocation():
+    """A huge max_new_tokens is clamped to the context before the cache is sized; a budget whose verify
+    forward cannot fit is refused at once, naming the field."""
+    import time
+
+    target, drafter = tiny_target(0), tiny_drafter(0, block_size=4)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="budget: a verify forward needs about"):
+        generate(target, drafter, [[1, 2, 3]], GenerationConfig(max_new_tokens=8, budget=10**9))
+    assert time.perf_counter() - t0 < 5
+    every_id = range(target.config.vocab_size)  # stop after the first token
+    config = GenerationConfig(max_new_tokens=10**12, method="ddtree", budget=4, stop_tokens=every_id)
+    out = generate(target, drafter, [[1, 2, 3]], config)
+    assert len(out.tokens[0]) == 1

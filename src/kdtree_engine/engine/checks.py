@@ -73,3 +73,31 @@ def check_stop_tokens(stop_tokens: tuple[int, ...], vocab_size: int) -> frozense
     if any(not 0 <= t < vocab_size for t in stops):
         raise ValueError(f"stop_tokens: ids must be in [0, {vocab_size})")
     return stops
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for new tensors on device: the CUDA allocator's free memory plus what torch already
+    holds in its cache, or the host's available memory (Linux), or None when unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_memory(device: torch.device, needs: dict[str, tuple[str, int]]) -> None:
+    """needs: field -> (what, bytes) for the largest tensors a call will allocate. ValueError naming the
+    field of the largest need when together they exceed the free memory (checked before allocating)."""
+    free = available_memory(device)
+    total = sum(b for _, b in needs.values())
+    if free is None or total <= free:
+        return
+    field, (what, size) = max(needs.items(), key=lambda kv: kv[1][1])
+    raise ValueError(
+        f"{field}: {what} needs about {size / 2**30:.1f} GiB (all buffers {total / 2**30:.1f} GiB) but "
+        f"{free / 2**30:.1f} GiB are free on {device}; lower it"
+    )

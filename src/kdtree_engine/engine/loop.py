@@ -368,6 +368,20 @@ def _decode(run: _Run, state: _State, device: torch.device) -> None:
             run.stats.capture_time = run.timer.now() - t0
 
 
+def _memory_needs(target, drafter, batch: int, max_len: int, budget: int, block_size: int) -> dict:
+    """The largest buffers of a call, by the GenerationConfig field that sizes them (for check_memory)."""
+    c = target.config
+    cache = c.num_hidden_layers * batch * max_len * c.latent_dim * target.dtype.itemsize
+    nodes = budget + 1
+    # verify logits in the model dtype and float32, the visibility mask, the MLA queries
+    verify = batch * nodes * (c.vocab_size * (target.dtype.itemsize + 4) + nodes)
+    verify += batch * nodes * c.num_attention_heads * c.latent_dim * target.dtype.itemsize * 2
+    needs = {"max_new_tokens": ("the latent cache", cache), "budget": ("a verify forward", verify)}
+    if drafter is not None:
+        needs["method"] = ("the draft logits", batch * (block_size - 1) * c.vocab_size * 4 * 2)
+    return needs
+
+
 def generate(
     target,
     drafter,
@@ -400,10 +414,11 @@ def generate(
     block_size = drafter.block_size if method != "autoregressive" else 1
     budget = config.tree_budget(block_size)
     limits = [max_new_tokens if limit is None else min(max_new_tokens, limit - len(p)) for p in prompts]
-    # The last round of a request may write a whole tree past its limit before the request is dropped.
+    # The last round of a request may write a whole tree past its limit (the requests stop there).
     margin = 2 if method == "autoregressive" else budget + block_size + 2
-    max_len = max(len(p) for p in prompts) + max_new_tokens + margin
+    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + margin
     device = target.lm_head.weight.device
+    checks.check_memory(device, _memory_needs(target, drafter, len(prompts), max_len, budget, block_size))
     stats = GenerationStats(method=method, batch_size=len(prompts))
     timer = StageTimer(device, enabled=stage_timing)
     reqs = _Requests(limits=limits, stops=stops, on_tokens=on_tokens)
