@@ -11,8 +11,10 @@ def test_tree_demo_prints_tree_and_mask(capsys):
     assert "6 nodes" in out and "[0] root" in out and "visibility" in out and "accept" in out
 
 
-def test_golden_check_passes():
+def test_golden_check_passes(capsys):
     assert main(["golden", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "] tree_random_fp32: ok (" in out and "bundles match the reference" in out  # one line per bundle
 
 
 def test_golden_compare_tolerates_last_bits_only():
@@ -34,11 +36,15 @@ def test_golden_compare_tolerates_last_bits_only():
     assert not _same(x, x.double())
 
 
-def test_unknown_command_exits_nonzero():
-    with pytest.raises(SystemExit):
+def test_unknown_command_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exc:
         main(["no-such-command"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "invalid choice: 'no-such-command'" in err and "--help" in err
 
 
 def test_golden_with_a_missing_folder_is_refused(tmp_path, capsys):
     assert main(["golden", "--check", "--dir", str(tmp_path / "nowhere")]) == 2
-    assert "--dir" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "--dir" in out.err

@@ -1,10 +1,18 @@
 """The `kdtree-engine` command. Each subcommand lives in its own module, imported only when used;
-a module provides `add_arguments(parser)` and `main(args) -> int`."""
+a module provides `add_arguments(parser)` and `main(args) -> int`.
+
+A failure the user can fix (a bad argument, a missing or broken file, a missing optional dependency, an
+allocation that does not fit) is one line on stderr, `kdtree-engine <command>: <message>`, and exit code
+2; Ctrl-C exits 130 and a closed stdout pipe (`| head`) 141, quietly. Anything else is a bug and keeps
+its traceback (as does every error when the environment variable KDTREE_ENGINE_TRACEBACK is set).
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
 
 COMMANDS = {
@@ -17,6 +25,46 @@ BENCHMARKS = {
     "attention": ("kdtree_engine.bench.attention", "tree-verify MLA attention against naive torch"),
     "e2e": ("kdtree_engine.bench.e2e", "whole generation runs: autoregressive, DFlash and DDTree"),
 }
+# Optional dependencies -> the pyproject extra that installs them.
+EXTRAS = {"transformers": "hf", "tokenizers": "hf", "triton": "gpu", "matplotlib": "bench"}
+# What to make smaller when an allocation does not fit, per command.
+SMALLER = {
+    "generate": "--max-new-tokens, --budget or the batch (fewer --prompt)",
+    "tree": "--budget, --depth or --vocab",
+}
+_NO_MEMORY = re.compile(r"out of memory|not enough memory|can't allocate memory|cannot allocate memory", re.I)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line (`--help` shows the usage); subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's __version__ (a source checkout)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kdtree-engine")
+    except metadata.PackageNotFoundError:
+        from kdtree_engine import __version__
+
+        return __version__
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to the help of every option that has a default value and whose help does
+    not already speak of its default (flags and None defaults are left alone)."""
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0 or action.help == argparse.SUPPRESS:
+            continue
+        if action.default is None or action.default == argparse.SUPPRESS:
+            continue
+        text = action.help or ""
+        if "default" not in text.lower():
+            action.help = f"{text} (default: %(default)s)".lstrip()
 
 
 def _add(sub, name: str, module: str, help_text: str) -> None:
@@ -28,10 +76,12 @@ def _add(sub, name: str, module: str, help_text: str) -> None:
         if not module.startswith(exc.name or "\0"):
             raise
         parser.set_defaults(_missing=True)
+    _show_defaults(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kdtree-engine", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="kdtree-engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         _add(sub, name, module, help_text)
@@ -41,13 +91,68 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _memory_detail(exc: BaseException) -> str:
+    """The first sentences of an allocator's message, without the C++ enforce prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[enforce fail at [^\]]*\]\s*(err == 0\.\s*)?", "", text)
+    return ". ".join(text.split(". ")[:2]).rstrip(".")[:240]
+
+
+def user_error(exc: BaseException, command: str) -> str | None:
+    """The one-line message for an error the user can act on, or None for a bug (re-raised)."""
+    if isinstance(exc, ModuleNotFoundError):
+        root = (exc.name or "").split(".")[0]
+        if root in EXTRAS:
+            extra = EXTRAS[root]
+            return (
+                f"{root} is not installed; it comes with the [{extra}] extra: "
+                f'pip install -e ".[{extra}]" in a checkout, or pip install "kdtree-engine[{extra}]"'
+            )
+        return str(exc)
+    if isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError)
+        and (type(exc).__name__ == "OutOfMemoryError" or _NO_MEMORY.search(str(exc)))
+    ):
+        smaller = SMALLER.get(command, "problem size")
+        return f"not enough memory ({_memory_detail(exc)}); try a smaller {smaller}"
+    if isinstance(exc, (ValueError, OSError)):  # FileNotFoundError, PermissionError, JSON errors, ...
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (captured output)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    name = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
     if getattr(args, "_missing", False):
-        name = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
         print(f"kdtree-engine: '{name}' is not available in this build", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._module).main(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a SIGPIPE would
+        _silence_stdout()
+        return 141
+    except SystemExit as exc:  # `raise SystemExit("message")` in a subcommand: a usage error too
+        if not isinstance(exc.code, str):
+            raise
+        message = exc.code
+    except Exception as exc:
+        message = user_error(exc, name)
+        if message is None or os.environ.get("KDTREE_ENGINE_TRACEBACK"):
+            raise
+    one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    print(f"kdtree-engine {name}: {one_line}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

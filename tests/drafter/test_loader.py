@@ -122,5 +122,62 @@ def test_missing_and_misshapen_tensors(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="fc.weight"):
         load_drafter(tmp_path)
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(FileNotFoundError, match=f"^path: {tmp_path / 'nowhere'} does not exist$"):
         load_drafter(tmp_path / "nowhere")
+
+
+def test_missing_files_raise_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"^path: no config.json in {tmp_path}$"):
+        load_drafter(tmp_path)
+    save_drafter(_drafter(), tmp_path)
+    with pytest.raises(FileNotFoundError, match="config.json is not a directory"):
+        load_drafter(tmp_path / "config.json")
+    index = {"weight_map": {"fc.weight": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="shard model-00001-of-00002.safetensors named in"):
+        load_drafter(tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors file in"):
+        load_drafter(tmp_path)
+
+
+@pytest.mark.parametrize("keep", [0, 9, 3000])
+def test_truncated_safetensors_names_the_file(tmp_path, keep):
+    save_drafter(_drafter(), tmp_path)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:keep])
+    with pytest.raises(ValueError, match=f"^{file}: not a readable safetensors file"):
+        load_drafter(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "file, text, match",
+    [
+        ("config.json", '{"block_size": 8,,}', "config.json: invalid JSON at line 1 column 18"),
+        ("config.json", "[1, 2]", "config.json: expected a JSON object"),
+        ("model.safetensors.index.json", "{\n", "index.json: invalid JSON at line 2 column 1"),
+        ("model.safetensors.index.json", '{"weight_map": [1]}', 'index.json: expected a "weight_map" object'),
+    ],
+)
+def test_broken_json_names_the_file_and_position(tmp_path, file, text, match):
+    save_drafter(_drafter(), tmp_path)
+    (tmp_path / file).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_drafter(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: c.pop("hidden_size"), "config.json: missing required field 'hidden_size'"),
+        (lambda c: c.update(dflash_config="mask"), "config.json: unexpected value in the config"),
+    ],
+)
+def test_config_fields_missing_or_of_the_wrong_type_name_the_file(tmp_path, edit, match):
+    save_drafter(_drafter(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        load_drafter(tmp_path)

@@ -28,10 +28,26 @@ def test_demo_compare_matches_autoregressive(capsys):
     assert int(forwards["ddtree"]) < int(forwards["dflash"]) < int(forwards["autoregressive"]) == 40
 
 
+def _requests(out: str, method: str) -> dict[int, str]:
+    """A batch's streamed text per request: the "[b] piece" lines under the method's header, joined."""
+    block = out.split(f"--- {method}", 1)[1].split("\n", 1)[1].split(f"\n[{method}] ", 1)[0]
+    texts: dict[int, str] = {}
+    for line in block.splitlines():
+        b, piece = re.fullmatch(r"\[(\d+)\] (.*)", line).groups()
+        texts[int(b)] = texts.get(int(b), "") + piece
+    return texts
+
+
 def test_batch_prompts_random_drafter_and_sampling(capsys):
-    args = ["--demo", "--demo-drafter", "random", "--prompt", "1 2 3", "--prompt", "9 8 7 6 5 4"]
+    args = ["--demo", "--demo-drafter", "random", "--prompt", "1 2 3", "--prompt-ids", "9 8 7 6 5 4"]
     rc, out, _ = _run(capsys, *args, "--method", "dflash", "--max-new-tokens", "8", "--compare")
-    assert rc == 0 and "output identical: YES" in out and re.search(r"^\[1\] (\d+ ){7}\d+$", out, flags=re.M)
+    assert rc == 0 and "output identical: YES" in out
+    texts = _requests(out, "dflash")  # batch > 1 streams too: "[b] piece" lines, interleaved
+    assert sorted(texts) == [0, 1] and all(re.fullmatch(r"(\d+ ){7}\d+", t) for t in texts.values())
+    assert texts == _requests(out, "autoregressive")
+    assert re.search(r"^\[0\] \d+\n\[1\] \d+\n\[0\]  \d+", out, flags=re.M)  # as the tokens come
+    rc, out, _ = _run(capsys, *args, "--method", "dflash", "--max-new-tokens", "8", "--no-stream")
+    assert rc == 0 and re.search(r"^\[1\] (\d+ ){7}\d+$", out, flags=re.M)
     sampling = ["--temperature", "0.9", "--top-k", "20"]
     rc, out, _ = _run(capsys, *args, *sampling, "--max-new-tokens", "8", "--compare")
     assert rc == 0 and "sampled" in out
@@ -48,6 +64,14 @@ def test_batch_prompts_random_drafter_and_sampling(capsys):
         (["--demo", "--method", "beam"], "method: expected one of"),
         (["--demo", "--top-p", "0"], "top_p"),
         (["--demo", "--stop", "-1"], "stop_tokens"),
+        (["--demo", "--prompt-ids", "1 two"], "--prompt-ids: expected token ids separated by spaces"),
+        (["--demo", "--stop-string", ""], "--stop-string: expected a non-empty string"),
+        (
+            ["--demo", "--chat"],
+            "--chat: needs a tokenizer with a chat template, and the demo has no tokenizer",
+        ),
+        (["--demo", "--device", "gpu"], "--device: 'gpu' is not a device (cpu, cuda, cuda:N)"),
+        (["--demo", "--device", "cpu", "--max-new-tokens", "-1"], "max_new_tokens"),
     ],
 )
 def test_errors_exit_2(capsys, argv, message):
@@ -104,3 +128,283 @@ def test_no_cuda_graphs_gives_the_same_stream(capsys):
         assert rc == 0 and "(CUDA graphs)" not in out  # the CPU never captures
         streams.append(re.findall(r"^--- ddtree.*---\n([\d ]+)\n", out, flags=re.M))
     assert streams[0] == streams[1] and streams[0]
+
+
+# --- checkpoints with tokenizers -------------------------------------------------------------------
+
+SOURCE = "Café 日本語 ok 👍🏽 e\u0301 — 𝄞 done"  # its bytes, cut into 2-byte tokens, spell the output
+PROMPT = "hello"
+NEW = 16
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte -> printable character map, as a list indexed by byte."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    out, extra = [], 0
+    for b in range(256):
+        out.append(chr(b) if b in keep else chr(256 + extra))
+        extra += b not in keep
+    return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny random checkpoint (target + drafter) and a byte-level tokenizer made for it: PROMPT
+    encodes to ids inside the model's vocabulary, and the ids of the target's greedy continuation
+    decode to 2-byte pieces of SOURCE (multi-byte characters cut across tokens), one of them a
+    special token. Returns a namespace with the dirs, the continuation and its expected text."""
+    from types import SimpleNamespace
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from kdtree_engine.drafter import random_drafter, save_drafter, tiny_drafter_config
+    from tests.engine.helpers import hf_twin
+
+    root = tmp_path_factory.mktemp("ckpt")
+    _, ours = hf_twin(root / "target")
+    save_drafter(random_drafter(tiny_drafter_config(ours.config)), root / "drafter")
+    chars = _byte_level_chars()
+    vocab = {c: i for i, c in enumerate(sorted(chars))}  # "!".."~" first: PROMPT's ids are < 128
+    prompt = [vocab[c] for c in PROMPT]
+    cont = greedy_generate(ours, [prompt], NEW)[0]
+    raw = SOURCE.encode()
+    pieces = iter(dict.fromkeys("".join(chars[b] for b in raw[i : i + 2]) for i in range(0, len(raw), 2)))
+    by_id = {i: c for c, i in vocab.items()}
+    fresh = [t for t in dict.fromkeys(cont) if t not in prompt]
+    special = fresh[3]
+    for t in fresh:
+        by_id[t] = "<|sp|>" if t == special else next(pieces)
+    displaced = [c for c in chars if c not in set(by_id.values())]
+    by_id.update({256 + k: c for k, c in enumerate(displaced)})
+    tok = Tokenizer(models.BPE({c: i for i, c in by_id.items()}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|sp|>", special=True)])
+    assert tok.encode(PROMPT).ids == prompt and tok.token_to_id("<|sp|>") == special
+    text = tok.decode(cont)
+    assert "Café 日本語" in text and any("\ufffd" in tok.decode([t]) for t in cont[:4])  # cut, made whole
+    tok.save(str(root / "target" / "tokenizer.json"))
+    return SimpleNamespace(
+        root=root, model=root / "target", drafter=root / "drafter", ours=ours, tok=tok, prompt=prompt,
+        cont=cont, text=text, special=special,
+    )  # fmt: skip
+
+
+def _variant(ckpt, name: str, **files) -> str:
+    """A copy of the checkpoint dir with extra or replaced files (name -> text; None removes)."""
+    import shutil
+
+    path = ckpt.root / name
+    if not path.exists():
+        shutil.copytree(ckpt.model, path)
+        for file, text in files.items():
+            target = path / file.replace("__", ".")
+            target.unlink(missing_ok=True)
+            if text is not None:
+                target.write_text(text)
+    return str(path)
+
+
+def _ckpt_args(ckpt, model=None, *extra):
+    return ["--model", str(model or ckpt.model), "--drafter", str(ckpt.drafter), "--device", "cpu", *extra]
+
+
+def _stream_of(out: str, method: str) -> str:
+    return out.split(f"--- {method}", 1)[1].split("---\n", 1)[1].split(f"\n[{method}] ", 1)[0]
+
+
+def test_streamed_text_is_the_full_decode(capsys, ckpt):
+    """Characters cut across tokens print once, whole: the stream is the decode of all the tokens
+    (special tokens skipped), with one token per push (autoregressive) and several (DDTree)."""
+    gen = ["--max-new-tokens", str(NEW), "--ignore-eos", "--prompt", PROMPT]
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--method", "autoregressive", "--compare"))
+    assert rc == 0
+    assert _stream_of(out, "autoregressive") == ckpt.text
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--compare"))
+    assert rc == 0 and out.count("output identical: YES") == 2
+    for method in ("ddtree", "dflash", "autoregressive"):
+        assert _stream_of(out, method) == ckpt.text
+    assert f"loading target from {ckpt.model} ...\n" in err and f"loading drafter from {ckpt.drafter}" in err
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--no-stream"))
+    assert rc == 0 and f"---\n[0] {ckpt.text}\n" in out
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--show-special-tokens"))
+    full = ckpt.tok.decode(ckpt.cont, skip_special_tokens=False)
+    assert rc == 0 and "<|sp|>" in full and _stream_of(out, "ddtree") == full
+
+
+def test_prompt_ids_with_a_tokenizer_and_batches(capsys, ckpt):
+    """--prompt-ids takes ids even when the model dir has a tokenizer; mixed with --prompt in order; a
+    batch streams "[b] piece" lines whose pieces join to each request's text."""
+    ids = " ".join(map(str, ckpt.prompt))
+    other = [7, 3, 9, 60, 2]
+    argv = _ckpt_args(ckpt, None, "--prompt-ids", " ".join(map(str, other)), "--prompt", PROMPT,
+                      "--prompt-ids", ids, "--max-new-tokens", str(NEW), "--ignore-eos")  # fmt: skip
+    rc, out, _ = _run(capsys, *argv)
+    assert rc == 0
+    texts = _requests(out, "ddtree")
+    conts = greedy_generate(ckpt.ours, [other], NEW)
+    assert texts == {0: ckpt.tok.decode(conts[0]), 1: ckpt.text, 2: ckpt.text}
+    assert "(batch 3)" in out
+
+
+def test_stop_strings(capsys, ckpt):
+    """--stop-string cuts the printed text before its first occurrence (streamed or not, any batch)."""
+    text = ckpt.text
+    stop = text[text.index("é") : text.index("é") + 2]
+    expected = text[: text.index(stop)]
+    gen = ["--max-new-tokens", str(NEW), "--ignore-eos", "--stop-string", stop, "--stop-string", "never"]
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT))
+    assert rc == 0 and _stream_of(out, "ddtree") == expected
+    assert f"{NEW} new tokens" in out  # the engine stops on ids only: the request ran to its limit
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT, "--prompt", PROMPT))
+    assert rc == 0 and _requests(out, "ddtree") == {0: expected, 1: expected}
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT, "--no-stream"))
+    assert rc == 0 and f"---\n[0] {expected}\n[ddtree]" in out
+    # In the demo (the text is the ids): cut before the 3rd token.
+    rc, out, _ = _run(capsys, "--demo", "--max-new-tokens", "8")
+    text = _stream_of(out, "ddtree")
+    stop = " " + " ".join(text.split()[2:4])
+    rc, out, _ = _run(capsys, "--demo", "--max-new-tokens", "8", "--stop-string", stop)
+    assert rc == 0 and _stream_of(out, "ddtree") == text[: text.index(stop)]
+
+
+def test_generation_config_defaults(capsys, ckpt):
+    """generation_config.json gives the defaults of max_new_tokens, the stop tokens and (do_sample)
+    the sampling settings; flags win."""
+    import json
+
+    from kdtree_engine.cli import build_parser
+    from kdtree_engine.engine.cli import _config, _generation_defaults
+
+    eos = ckpt.cont[5]
+    n = ckpt.cont.index(eos) + 1
+    gen = json.dumps({"max_new_tokens": 12, "eos_token_id": [eos], "temperature": 0.3})  # no do_sample
+    model = _variant(ckpt, "genconf", generation_config__json=gen)
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, model, "--prompt", PROMPT))
+    assert rc == 0 and f"[ddtree] {n} new tokens" in out
+    assert f"generation_config.json: max_new_tokens 12, stop tokens [{eos}] (flags override)\n" in err
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, model, "--prompt", PROMPT, "--ignore-eos"))
+    assert rc == 0 and "[ddtree] 12 new tokens" in out and "stop" not in err
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, model, "--prompt", PROMPT, "--max-new-tokens", "3"))
+    assert rc == 0 and "[ddtree] 3 new tokens" in out and "max_new_tokens" not in err
+    sampled = json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    model = _variant(ckpt, "sampled", generation_config__json=sampled)
+    parse = build_parser().parse_args
+    config = _config(parse(["generate", "--model", model]), _generation_defaults(model))
+    assert (config.sampling.temperature, config.sampling.top_p, config.sampling.top_k) == (0.6, 0.95, 20)
+    config = _config(parse(["generate", "--temperature", "0", "--top-k", "0"]), _generation_defaults(model))
+    assert (config.sampling.temperature, config.sampling.top_p, config.sampling.top_k) == (0.0, 0.95, 0)
+    bad = _variant(ckpt, "badgen", generation_config__json='{"max_new_tokens": "many"}')
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, bad, "--prompt", PROMPT))
+    assert rc == 2 and out == "" and "generation_config.json: max_new_tokens must be an int" in err
+
+
+def test_chat_template(capsys, ckpt):
+    """--chat applies the tokenizer's chat template (a user message + the generation prompt)."""
+    import json
+
+    # Only PROMPT's characters have ids inside the model's vocabulary.
+    template = (
+        "{% for m in messages %}h{{ m['content'] }}o{% endfor %}{% if add_generation_prompt %}e{% endif %}"
+    )
+    model = _variant(ckpt, "chat", tokenizer_config__json=json.dumps({"chat_template": template}))
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, model, "--chat", "--prompt", "ll", "--max-new-tokens", "6",
+                                          "--ignore-eos", "--prompt-ids", "5 6"))  # fmt: skip
+    ids = ckpt.tok.encode("hlloe").ids
+    cont = greedy_generate(ckpt.ours, [ids, [5, 6]], 6)
+    assert rc == 0 and _requests(out, "ddtree") == {0: ckpt.tok.decode(cont[0]), 1: ckpt.tok.decode(cont[1])}
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, None, "--chat", "--prompt", "hi"))
+    assert rc == 2 and out == "" and "has no chat template" in err and err.count("\n") == 1
+
+
+def test_trust_remote_code(capsys, ckpt, monkeypatch, tmp_path):
+    """A tokenizer shipped as code needs --trust-remote-code; without it, the error says so."""
+    import json
+    import sys
+
+    import transformers.dynamic_module_utils as dyn
+
+    monkeypatch.setattr(dyn, "HF_MODULES_CACHE", str(tmp_path / "modules"))  # the copied code goes here
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code = "from transformers import PreTrainedTokenizerFast as Base\n\n\nclass TinyTokenizer(Base): ...\n"
+    config = {
+        "tokenizer_class": "TinyTokenizer",
+        "auto_map": {"AutoTokenizer": [None, "tokenization_tiny.TinyTokenizer"]},
+    }
+    model = _variant(ckpt, "remote", tokenization_tiny__py=code, tokenizer_config__json=json.dumps(config))
+    gen = ["--prompt", PROMPT, "--max-new-tokens", str(NEW), "--ignore-eos"]
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, model, *gen))
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "custom code" in err and "pass --trust-remote-code" in err
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, model, *gen, "--trust-remote-code"))
+    assert rc == 0 and _stream_of(out, "ddtree") == ckpt.text
+
+
+def test_missing_transformers_names_the_extra(capsys, ckpt, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, None, "--prompt", PROMPT))
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "needs transformers" in err and 'pip install "kdtree-engine[hf]"' in err
+
+
+def test_errors_before_anything_is_printed(capsys, ckpt, monkeypatch):
+    """Missing drafter, no GPU, bad prompts: one line on stderr, exit 2, nothing on stdout and nothing
+    loaded (no progress line)."""
+    import torch
+
+    rc, out, err = _run(capsys, "--model", str(ckpt.model), "--prompt", PROMPT)
+    assert (rc, out) == (2, "")
+    assert err == (
+        "kdtree-engine generate: --drafter: method 'ddtree' needs a DFlash drafter checkpoint "
+        "(pass --drafter DIR, or --method autoregressive)\n"
+    )
+    rc, out, err = _run(capsys, "--model", str(ckpt.model), "--method", "dflash", "--prompt", PROMPT)
+    assert rc == 2 and "method 'dflash' needs a DFlash drafter" in err
+    rc, out, _ = _run(capsys, "--model", str(ckpt.model), "--method", "autoregressive", "--prompt", PROMPT,
+                      "--max-new-tokens", "2", "--device", "cpu")  # fmt: skip
+    assert rc == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["--demo"], _ckpt_args(ckpt)[:4]):
+        rc, out, err = _run(capsys, *argv, "--device", "cuda", "--prompt", PROMPT)
+        assert (rc, out) == (2, "") and err.count("\n") == 1
+        assert "--device cuda: no CUDA GPU is available to torch here; use --device cpu" in err
+    for argv, message in [
+        (["--prompt-ids", "1 x"], "--prompt-ids: expected token ids separated by spaces, got '1 x'"),
+        (["--prompt-ids", "1 500"], "prompt 0 has token ids outside [0, 128)"),
+        (["--prompt", PROMPT, "--stop", "900"], "stop_tokens: ids must be in [0, 128)"),
+        ([], "--prompt: give at least one prompt"),
+    ]:
+        rc, out, err = _run(capsys, *_ckpt_args(ckpt, None, *argv))
+        assert (rc, out) == (2, "") and message in err, (argv, err)
+        assert "--- " not in out
+
+
+def test_impl_triton_on_the_cpu_is_refused_without_the_interpreter(capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    rc, out, err = _run(capsys, "--demo", "--impl", "triton", "--max-new-tokens", "4")
+    assert rc == 2 and out == "" and "--impl triton: needs --device cuda" in err
+
+
+def test_compare_explains_a_divergence(capsys):
+    from kdtree_engine.engine.cli import _compare
+    from kdtree_engine.engine.loop import GenerationOutput
+    from kdtree_engine.engine.stats import GenerationStats
+    from tests.engine.helpers import tiny_target
+
+    target = tiny_target(0)
+    base = greedy_generate(target, [[1, 2, 3]], 5)
+    other = [base[0][:2] + [(base[0][2] + 1) % 96, 0, 0]]
+
+    class Session:
+        prompts, config = [[1, 2, 3]], type("C", (), {"impl": None})()
+
+    Session.target = target
+    runs = {
+        "ddtree": GenerationOutput(other, GenerationStats("ddtree", 1)),
+        "autoregressive": GenerationOutput(base, GenerationStats("autoregressive", 1)),
+    }
+    assert _compare(runs, greedy=True, session=Session) == 1  # float32, a real choice: not a tie
+    out = capsys.readouterr().out
+    assert "parted at new token 2" in out and "NOT explained" in out

@@ -8,6 +8,7 @@ bf16-tied inputs) is marked gpu. Every case draws fresh inputs from its own seed
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -20,14 +21,24 @@ FIELDS = ("tokens", "depths", "parents", "num_nodes")
 
 
 def make_topk(seed: int, b: int, depth: int, k: int, kind: str, vocab: int = 1000):
-    """Sorted log-probs [b, depth, k] float32 and distinct ids. kind: smooth | bf16 (ties) | flat."""
+    """Sorted log-probs [b, depth, k] float32 and distinct ids. kind: smooth | bf16 (ties) | flat |
+    masked (-inf tails: most logits masked, some rows wholly -inf, request 0's first row among them
+    when b > 1, which gives it an empty tree)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, depth, vocab, generator=g) * 2
-    if kind == "bf16":
+    if kind in ("bf16", "masked"):
         x = (torch.round(x * 2) / 2).bfloat16().float()
     if kind == "flat":
         x = torch.zeros_like(x)
-    return ref.logits_to_topk(x, min(k, vocab))
+    if kind == "masked":
+        mask = torch.rand(b, depth, vocab, generator=g) < 0.995
+        mask.scatter_(-1, torch.randint(0, vocab, (b, depth, 1), generator=g), False)
+        x = x.masked_fill(mask, float("-inf"))
+    lp, ids = ref.logits_to_topk(x, min(k, vocab))
+    if kind == "masked":
+        lp[torch.rand(b, depth, generator=g) < 0.2] = float("-inf")
+        lp[0, 0] = float("-inf") if b > 1 else lp[0, 0]
+    return lp, ids
 
 
 def assert_same_tree(got, want) -> None:
@@ -54,12 +65,31 @@ CPU_CASES = [  # (b, depth, k, budget, kind)
     (2, 5, 6, 30, "flat"),
     (64, 2, 3, 8, "bf16"),
     (3, 1, 2, 5, "smooth"),  # heap runs dry: only 2 paths exist
+    (3, 6, 16, 16, "masked"),  # -inf tails and wholly masked rows: the tree stops short
+    (2, 4, 8, 40, "masked"),
 ]
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_build_matches_reference(case, device):
     check(sum(case[:4]), *case, device)
+
+
+def test_masked_entries_never_enter_the_tree(device):
+    """The kernel drops -inf entries as the reference does: no node has a -inf log-prob, a masked
+    first row gives an empty tree, and each tree holds min(budget, paths through finite entries)."""
+    lp, ids = make_topk(5, 3, 6, 16, "masked")
+    got = T.build_tree(lp.to(device), ids.to(device), 40, impl="triton")
+    assert_same_tree(got, ref.build_tree(lp, ids, 40))
+    for r in range(3):
+        per_depth = (lp[r] > float("-inf")).sum(-1).tolist()
+        paths = sum(math.prod(per_depth[: d + 1]) for d in range(len(per_depth)))
+        assert int(got.num_nodes[r]) == min(40, paths)
+    assert got.num_nodes.tolist()[0] == 0 and min(got.num_nodes.tolist()[1:]) < 40
+    for r in range(3):
+        for i in range(int(got.num_nodes[r])):
+            col = (ids[r, int(got.depths[r, i]) - 1] == got.tokens[r, i].cpu()).nonzero()[0]
+            assert lp[r, int(got.depths[r, i]) - 1, col] > float("-inf")
 
 
 def test_budget_zero_and_empty_batch(device):
@@ -82,7 +112,8 @@ def test_budget_above_kernel_limit_is_a_value_error(device):
 @pytest.mark.parametrize("depth", [1, 8, 15, 16])
 def test_build_full_sweep_gpu(b, depth):
     device = torch.device("cuda")
-    for budget, kind in itertools.product([0, 1, 7, 8, 16, 32, 63, 64, 100, 256], ["smooth", "bf16", "flat"]):
+    kinds = ["smooth", "bf16", "flat", "masked"]
+    for budget, kind in itertools.product([0, 1, 7, 8, 16, 32, 63, 64, 100, 256], kinds):
         check(1000 * b + 10 * depth + budget, b, depth, max(budget, 1), budget, kind, device)
 
 

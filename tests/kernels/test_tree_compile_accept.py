@@ -63,3 +63,34 @@ def test_compile_and_accept_match_reference(case, device):
 def test_compile_accept_sweep_gpu(b, depth):
     for budget in (0, 1, 7, 8, 16, 32, 63, 64, 100):
         test_compile_and_accept_match_reference((b, depth, budget), torch.device("cuda"))
+
+
+def check_masked_trees(seed: int, device) -> None:
+    """Trees from masked logits (-inf: they stop short of the budget), compiled and accepted through the
+    kernels with the token checks on (vocab_size given): equal to the reference."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.round(torch.randn(3, 5, 12, generator=g) * 2)
+    mask = torch.rand(3, 5, 12, generator=g) < 0.8
+    mask[..., seed % 12] = False
+    tree = ref.build_tree(*ref.logits_to_topk(x.masked_fill(mask, float("-inf")), 12), 40)
+    roots, starts = torch.randint(0, 12, (3,), generator=g), torch.randint(0, 500, (3,), generator=g)
+    got = T.compile_tree(to(tree, device), roots.to(device), starts.to(device), vocab_size=12, impl="triton")
+    want = ref.compile_tree(tree, roots, starts)
+    for f in want.__dataclass_fields__:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+    target = path_targets(tree, g)
+    got_acc = T.accept_greedy(to(tree, device), target.to(device), vocab_size=12, impl="triton")
+    want_acc = ref.accept_greedy(tree, target)
+    for f in ("accepted", "accept_len", "bonus"):
+        assert torch.equal(getattr(got_acc, f).cpu(), getattr(want_acc, f)), f
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compile_and_accept_masked_trees(seed, device):
+    check_masked_trees(seed, device)
+
+
+@pytest.mark.gpu
+def test_compile_and_accept_masked_trees_gpu():
+    for seed in range(50):
+        check_masked_trees(seed, torch.device("cuda"))

@@ -228,6 +228,122 @@ def test_masked_logits(device):
     assert torch.equal(tree.parents.cpu(), want.parents) and torch.equal(tree.tokens.cpu(), want.tokens)
 
 
+def masked_case(seed: int):
+    """Random logits with a random -inf mask (tokens filtered out or forbidden), every row keeping at
+    least one finite logit: (logits, budget, mask). Mask shares from a few percent to all but one
+    token, so many rows hold fewer finite logits than budget; coarse values tie among the finite."""
+    rnd = random.Random(seed)
+    b, depth = rnd.randint(1, 3), rnd.randint(1, 5)
+    vocab, budget = rnd.choice([3, 8, 37, 300, 2500]), rnd.choice([1, 5, 16, 40])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, depth, vocab, generator=g) * 3
+    if rnd.random() < 0.5:
+        x = torch.round(x)
+    share = rnd.choice([0.05, 0.5, 0.9, 0.99, 1.0])
+    mask = torch.rand(b, depth, vocab, generator=g) < share
+    keep = torch.randint(0, vocab, (b, depth, 1), generator=g)
+    mask.scatter_(-1, (keep + 1) % vocab, True).scatter_(-1, keep, False)  # one masked and one kept a row
+    x = x.masked_fill(mask, float("-inf"))
+    return x.to(rnd.choice([torch.float32, torch.bfloat16, torch.float16])), budget, mask
+
+
+def check_masked(seed: int, device) -> None:
+    """The kernel's top-k (ids and log-probs, -inf ones included) and tree equal the reference's."""
+    x, budget, mask = masked_case(seed)
+    k = min(budget, x.shape[-1])
+    check_topk(x, k, device)
+    check_topk(x, k, device, max_groups=1)  # the exact path
+    got = T.build_tree_from_logits(x.to(device), budget, impl="triton")
+    want = T.build_tree_from_logits(x, budget, impl="ref")
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+    for r in range(x.shape[0]):
+        n = int(want.num_nodes[r])
+        assert not bool(mask[r, want.depths[r, :n] - 1, want.tokens[r, :n]].any())
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_masked_logits_match_reference(seed, device):
+    check_masked(seed, device)
+
+
+def test_masked_rows_shorter_than_budget(device):
+    """Rows with fewer finite logits than budget (one row with a single one), ties among the finite:
+    the kernel equals the reference and the tree stops at the finite paths."""
+    x = torch.full((2, 3, 50), float("-inf"))
+    x[0, :, [4, 9, 30]] = torch.tensor([1.0, 1.0, 0.5])
+    x[1, 0, 7] = 2.0
+    x[1, 1:, :20] = 0.0  # 20 tied finite logits
+    check_topk(x, 16, device)
+    got = T.build_tree_from_logits(x.to(device), 16, impl="triton")
+    want = T.build_tree_from_logits(x, 16, impl="ref")
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+    assert want.num_nodes.tolist() == [16, 16]
+    assert want.tokens[0, :3].tolist() == [4, 9, 30]
+    assert set(want.tokens[0].tolist()) == {4, 9, 30}
+    assert want.tokens[1, :2].tolist() == [7, 0] and want.depths[1, :2].tolist() == [1, 2]
+    small = T.build_tree_from_logits(x[:1].to(device), 50, impl="triton")
+    assert small.num_nodes.tolist() == [3 + 9 + 27]  # every finite path, then the tree stops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start", range(0, 400, 100))
+def test_masked_logits_fuzz_gpu(start):
+    for seed in range(start, start + 100):
+        check_masked(seed, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_masked_kimi_vocab_gpu():
+    """V = 163840 bf16 rows filtered as a sampler does (top 50 kept, then top 5; ties with the last
+    are kept), a forbidden-token mask, and one token a row (a chain of L nodes, short of the budget):
+    the kernel's top-k and tree equal the reference's (run on the CPU)."""
+    cuda, budget = torch.device("cuda"), 32
+    x = make_logits(7, 2, 8, 163840, "bf16").float()
+    top50 = x.masked_fill(x < x.topk(50, dim=-1).values[..., -1:], float("-inf"))
+    top5 = x.masked_fill(x < x.topk(5, dim=-1).values[..., -1:], float("-inf"))
+    forbidden = x.clone()
+    forbidden[..., ::3] = float("-inf")
+    one = torch.full_like(x, float("-inf")).scatter(-1, x.argmax(-1, keepdim=True), 0.0)
+    for masked in (top50, top5, forbidden, one):
+        masked = masked.bfloat16()
+        check_topk(masked, budget, cuda)
+        got = T.build_tree_from_logits(masked.to(cuda), budget, impl="triton")
+        want = T.build_tree_from_logits(masked, budget, impl="ref")
+        for f in FIELDS:
+            assert torch.equal(getattr(got, f).cpu(), getattr(want, f)), f
+    assert want.num_nodes.tolist() == [8, 8]  # the last: one path of L = 8 nodes
+
+
+def check_unvalidated_bad_logits(device) -> None:
+    """validate=False with NaN, +inf and all -inf rows (fast and exact paths): the launches finish with
+    an undefined tree of the right shapes (docs/tree.md), no error."""
+    x = make_logits(5, 3, 4, 3000, "bf16").float()
+    x[0, 1, 7] = float("nan")
+    x[1, 0] = float("nan")
+    x[1, 2, 100] = float("inf")
+    x[2, 3] = float("-inf")
+    for dtype, knobs in ((torch.float32, {}), (torch.bfloat16, {"max_groups": 1})):
+        lp, ids = tree_topk.logits_topk(x.to(dtype).to(device), 16, **knobs)
+        tree = T.build_tree(lp, ids, 16, impl="triton", validate=False)
+        assert tree.tokens.shape == (3, 16) and tree.parents.shape == (3, 17)
+        assert bool(((tree.num_nodes >= 0) & (tree.num_nodes <= 16)).all())
+    tree = T.build_tree_from_logits(x.to(device), 16, impl="triton", validate=False)
+    assert tree.tokens.shape == (3, 16)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy casts of NaN
+def test_unvalidated_bad_logits_finish(device):
+    check_unvalidated_bad_logits(device)
+
+
+@pytest.mark.gpu
+def test_unvalidated_bad_logits_finish_gpu():
+    check_unvalidated_bad_logits(torch.device("cuda"))
+    torch.cuda.synchronize()  # an out-of-bounds access would surface here
+
+
 def test_bad_block_is_a_value_error():
     with pytest.raises(ValueError, match="block"):
         tree_topk.logits_topk(torch.zeros(1, 1, 64), 2, block=48)

@@ -102,6 +102,64 @@ def test_missing_files_raise(saved, tmp_path) -> None:
         load_model(shard_dir)
 
 
+def test_bad_paths_name_the_path(saved, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=f"^path: {tmp_path / 'typo'} does not exist$"):
+        load_model(tmp_path / "typo")
+    with pytest.raises(FileNotFoundError, match="config.json is not a directory"):
+        load_model(saved[0] / "config.json")
+
+
+def _truncate(file: Path, keep: int) -> None:
+    file.write_bytes(file.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("keep", [0, 7, 100, 5000])
+def test_truncated_safetensors_raise_value_error_naming_the_file(saved, tmp_path, keep) -> None:
+    shutil.copytree(saved[0], tmp_path / "c")
+    _truncate(tmp_path / "c" / "model.safetensors", keep)
+    with pytest.raises(ValueError, match=r"c/model.safetensors: not a readable safetensors file \(Error"):
+        load_model(tmp_path / "c")
+
+
+def test_truncated_shard(saved, tmp_path) -> None:
+    shutil.copytree(saved[1], tmp_path / "c")
+    victim = sorted((tmp_path / "c").glob("model-*.safetensors"))[-1]
+    _truncate(victim, 3000)
+    with pytest.raises(ValueError, match=f"{victim.name}: not a readable safetensors file"):
+        load_model(tmp_path / "c")
+
+
+@pytest.mark.parametrize(
+    "file, text, match",
+    [
+        (
+            "config.json",
+            '{"vocab_size": 128,\n "hidden_size": 64,}',
+            "config.json: invalid JSON at line 2 column 20",
+        ),
+        ("config.json", "", "config.json: invalid JSON at line 1 column 1"),
+        ("config.json", '"deepseek_v3"', r"config.json: expected a JSON object \{...\}, got a JSON string"),
+        ("config.json", b"\xff\xfe{}", "config.json: not a UTF-8 text file"),
+        ("model.safetensors.index.json", '{"weight_map": {', "index.json: invalid JSON at line 1 column 17"),
+        ("model.safetensors.index.json", '{"metadata": {}}', 'index.json: expected a "weight_map" object'),
+    ],
+)
+def test_broken_json_names_the_file_and_position(saved, tmp_path, file, text, match) -> None:
+    shutil.copytree(saved[1], tmp_path / "c")
+    target = tmp_path / "c" / file
+    target.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError, match=match):
+        load_model(tmp_path / "c")
+
+
+def test_config_field_of_the_wrong_type_names_the_file(saved, tmp_path) -> None:
+    shutil.copytree(saved[0], tmp_path / "c")
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    (tmp_path / "c" / "config.json").write_text(json.dumps({**cfg, "hidden_size": [64]}))
+    with pytest.raises(ValueError, match="config.json: unexpected value in the config"):
+        load_model(tmp_path / "c")
+
+
 def test_unsupported_config_value_raises(saved, tmp_path) -> None:
     shutil.copytree(saved[0], tmp_path / "c")
     cfg = json.loads((tmp_path / "c" / "config.json").read_text())

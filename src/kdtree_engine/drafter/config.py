@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from kdtree_engine.model.config import read_json
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -108,7 +109,14 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> DFlashConfig:
-        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+        """ValueError naming the file for broken JSON, a missing field or a field of the wrong type."""
+        d = read_json(path)
+        try:
+            return cls.from_hf_dict(d)
+        except KeyError as exc:
+            raise ValueError(f"{path}: missing required field {exc}") from None
+        except (TypeError, AttributeError) as exc:  # e.g. "hidden_size": [64], a string as a dict
+            raise ValueError(f"{path}: unexpected value in the config ({type(exc).__name__}: {exc})") from exc
 
     def to_hf_dict(self) -> dict:
         """The published layout (Qwen3 fields + DFlash fields), suitable for config.json."""

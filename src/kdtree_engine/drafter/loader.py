@@ -7,21 +7,35 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kdtree_engine.drafter.config import DFlashConfig
 from kdtree_engine.drafter.model import DFlashDrafter
+from kdtree_engine.model.loader import checkpoint_dir, index_shards, unreadable
+
+INDEX = "model.safetensors.index.json"
 
 
 def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+    index = path / INDEX
+    if index.is_file():
+        files = [path / n for n in index_shards(index)]
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"path: shard {f.name} named in {INDEX} is missing from {path}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"path: no *.safetensors file in {path}")
+        raise FileNotFoundError(f"path: no *.safetensors file in {path}")
     return files
+
+
+def _read(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as exc:
+        raise unreadable(file, exc) from None
 
 
 def _strip_prefix(name: str) -> str:
@@ -31,16 +45,19 @@ def _strip_prefix(name: str) -> str:
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> DFlashDrafter:
     """path: a checkpoint directory with config.json and safetensors. Every tensor of the drafter must
-    be present and no other tensor (embed_tokens / lm_head copies, if shipped, are ignored)."""
-    path = Path(path)
-    if not (path / "config.json").exists():
-        raise ValueError(f"path: {path} has no config.json")
+    be present and no other tensor (embed_tokens / lm_head copies, if shipped, are ignored).
+
+    FileNotFoundError for a missing directory, config.json or weight file; ValueError naming the file
+    for broken JSON or an unreadable safetensors file, and for a config or tensors that do not fit."""
+    path = checkpoint_dir(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"path: no config.json in {path}")
     config = DFlashConfig.from_json(path / "config.json")
     with torch.device("meta"):
         drafter = DFlashDrafter(config)
     state: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
-        for name, t in load_file(str(f)).items():
+        for name, t in _read(f).items():
             state[_strip_prefix(name)] = t
     for shared in ("embed_tokens.weight", "lm_head.weight"):
         state.pop(shared, None)

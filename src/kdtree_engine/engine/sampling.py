@@ -78,7 +78,7 @@ def accept_tokens(
     (greedy) or a sample drawn with accept_sampled's seeded noise, keyed by (seed, offset) or by the
     device-resident stream_keys of (seed, offset) (offset None then); then the tree walk."""
     if params.greedy:
-        return accept_greedy(tree, logits.argmax(dim=-1), impl=impl)
+        return accept_greedy(tree, logits.argmax(dim=-1), impl=impl, validate=False)  # argmax ids are in range
     keyed = dict(stream_keys=stream_keys) if stream_keys is not None else dict(seed=seed, offset=offset)
     acc, _ = accept_sampled(
         tree,

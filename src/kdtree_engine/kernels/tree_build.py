@@ -3,6 +3,8 @@
 Exactness with the reference (ref/tree.py `build_one`, itself the official heap):
 - scores are float64, updated in the official order: sibling `(s - lp[d-1, r]) + lp[d-1, r+1]`,
   child `s + lp[d, 0]`; no multiplications, so no FMA contraction can change a rounding;
+- a candidate whose log-prob is -inf (a masked token) or NaN is never pushed (ref.tree.live), so
+  every score is finite;
 - ties on score go to the lexicographically smaller rank path. Instead of storing paths, every live
   candidate carries its rank `lex` in the lexicographic order of the live candidates. When the
   candidate P = (.., r) is popped, nothing lives between P and its new first child P + (0,) or between
@@ -56,7 +58,7 @@ def _build_kernel(
     first = tl.load(lp_row).to(tl.float64)
     score = tl.where(slots == 0, first, neg_inf)  # [CAP] float64
     info = tl.where(slots == 0, 1 << 16, 0).to(tl.int64)  # lex 0, parent 0, depth 1, rank 0
-    valid = slots == 0
+    valid = score > neg_inf  # slot 0, unless the first entry is masked (-inf, NaN): then no node
     nodes = tl.zeros([CAP], dtype=tl.int64)  # node n+1 -> parent << 32 | depth << 16 | rank
     nslots = 1
     count = 0
@@ -71,13 +73,15 @@ def _build_kernel(
         depth = (win >> 16) & mask16
         rank = win & mask16
 
-        has_sib = alive & (rank + 1 < topk)
-        has_child = alive & (depth < L)
+        in_row = alive & (rank + 1 < topk)
         base = lp_row + (depth - 1) * K + rank
         cur = tl.load(base, mask=alive, other=0.0).to(tl.float64)
-        nxt = tl.load(base + 1, mask=has_sib, other=0.0).to(tl.float64)
+        nxt = tl.load(base + 1, mask=in_row, other=neg_inf).to(tl.float64)
+        below = tl.sum(tl.where(depth_ix == depth, firsts, 0.0), axis=0)  # lp[depth, 0]
+        has_sib = in_row & (nxt > neg_inf)  # masked entries (-inf, NaN) are never pushed
+        has_child = alive & (depth < L) & (below > neg_inf)
         s_sib = best - cur + nxt
-        s_child = best + tl.sum(tl.where(depth_ix == depth, firsts, 0.0), axis=0)
+        s_child = best + below
 
         node = lex * 0 + (n + 1)  # int64 (the loop index is int32)
         child_info = (lex << 48) | (node << 32) | ((depth + 1) << 16)

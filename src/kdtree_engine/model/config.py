@@ -113,8 +113,12 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
-        with open(path) as f:
-            return cls.from_hf_dict(json.load(f))
+        """ValueError naming the file for broken JSON or a field of the wrong type."""
+        d = read_json(path)
+        try:
+            return cls.from_hf_dict(d)
+        except (TypeError, KeyError, AttributeError) as exc:  # e.g. "hidden_size": [64], a string as a dict
+            raise ValueError(f"{path}: unexpected value in the config ({type(exc).__name__}: {exc})") from exc
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A `config.json` dict that transformers' DeepseekV3Config (and from_hf_dict) reads back."""
@@ -152,6 +156,22 @@ class ModelConfig:
             if self.rope_attention_factor is not None:
                 rp["attention_factor"] = self.rope_attention_factor
         return rp
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """A JSON object from a checkpoint file; ValueError naming the file and the position of a syntax
+    error (a truncated download, a hand edit), or saying it is not a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    if not isinstance(d, dict):
+        kind = {list: "array", str: "string", type(None): "null", bool: "boolean"}.get(type(d), "number")
+        raise ValueError(f"{path}: expected a JSON object {{...}}, got a JSON {kind}")
+    return d
 
 
 def _require(d: dict[str, Any], key: str, default: Any = None, *, required: bool = True) -> Any:

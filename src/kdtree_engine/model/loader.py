@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from kdtree_engine.model.config import ModelConfig
+from kdtree_engine.model.config import ModelConfig, read_json
 from kdtree_engine.model.model import DeepseekV3ForCausalLM
 
 INDEX = "model.safetensors.index.json"
@@ -19,12 +18,28 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
+def checkpoint_dir(path: str | Path) -> Path:
+    """path as a Path; FileNotFoundError naming it when it is not an existing directory."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"path: {path} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"path: {path} is not a directory (pass the checkpoint directory)")
+    return path
+
+
+def index_shards(index: Path) -> list[str]:
+    """The shard file names of a model.safetensors.index.json; ValueError naming the file if broken."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f'{index}: expected a "weight_map" object of tensor name -> shard file')
+    return sorted(set(weight_map.values()))
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint dir: the shards named by the index, or model.safetensors."""
     if (path / INDEX).is_file():
-        with open(path / INDEX) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [path / n for n in names]
+        files = [path / n for n in index_shards(path / INDEX)]
     elif (path / SINGLE).is_file():
         files = [path / SINGLE]
     else:
@@ -33,6 +48,11 @@ def checkpoint_files(path: Path) -> list[Path]:
         if not f.is_file():
             raise FileNotFoundError(f"path: shard {f.name} named in {INDEX} is missing from {path}")
     return files
+
+
+def unreadable(file: Path, exc: Exception) -> ValueError:
+    """The error for a safetensors file that cannot be read (truncated download, not safetensors)."""
+    return ValueError(f"{file}: not a readable safetensors file ({exc}); is it truncated? download it again")
 
 
 def skipped(config: ModelConfig, name: str) -> bool:
@@ -44,12 +64,25 @@ def skipped(config: ModelConfig, name: str) -> bool:
     )
 
 
+def open_safetensors(file: Path):
+    """safe_open(file) (reads the header only); ValueError naming the file when it is not a complete
+    safetensors file (a truncated download is refused here: the header no longer covers the data)."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise unreadable(file, exc) from None
+
+
 def _iter_tensors(config: ModelConfig, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if not skipped(config, name):
-                    yield name, f.get_tensor(name)
+                    try:
+                        t = f.get_tensor(name)
+                    except (SafetensorError, OSError) as exc:
+                        raise unreadable(file, exc) from None
+                    yield name, t
 
 
 def _expert_part(name: str) -> tuple[str, int, str] | None:
@@ -211,12 +244,17 @@ def load_model(
 ) -> DeepseekV3ForCausalLM:
     """Load a HF checkpoint dir: config.json and model.safetensors or a sharded model.safetensors.index.json.
 
-    Raises FileNotFoundError for a missing file, ValueError for an unsupported config value, a missing or
+    Raises FileNotFoundError for a missing directory or file, ValueError naming the file for broken JSON
+    or an unreadable safetensors file, and ValueError for an unsupported config value, a missing or
     unexpected tensor, or a shape mismatch. Weights are cast to `dtype` (router kept float32); block-FP8
     checkpoints (DeepSeek-V3 / Kimi-K2 as published: e4m3 + weight_scale_inv) are dequantized.
     """
-    path = Path(path)
+    path = checkpoint_dir(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"path: no config.json in {path}")
     config = ModelConfig.from_json(path / "config.json")
-    return model_from_hf_tensors(config, _iter_tensors(config, checkpoint_files(path)), dtype, device)
+    files = checkpoint_files(path)
+    for file in files:  # every header first: a broken shard fails before any weight is read
+        with open_safetensors(file):
+            pass
+    return model_from_hf_tensors(config, _iter_tensors(config, files), dtype, device)

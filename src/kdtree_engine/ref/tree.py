@@ -1,7 +1,8 @@
 """Reference DDTree ops: log-softmax top-k, best-first build, compile for verify, greedy accept.
 
 The build reproduces the official DDTree heap (liranringel/ddtree, `build_ddtree_tree`) exactly:
-float64 scores updated incrementally in the official order, ties broken by the rank path.
+float64 scores updated incrementally in the official order, ties broken by the rank path; masked tokens
+(-inf log-probs) never enter the tree (build_one), where the official heap would order NaN scores.
 The log-softmax normalizer (log_normalizer) is defined by a fixed sequence of IEEE-754 operations, so
 torch on any device, the Triton interpreter and the compiled kernel compute the same bits.
 """
@@ -17,17 +18,25 @@ import torch.nn.functional as F
 from kdtree_engine.tree_types import AcceptResult, DraftTree, VerifyInputs
 
 
+def live(logprob: float) -> bool:
+    """Whether a top-k entry may enter the tree: a -inf log-prob is a masked token (probability 0) and
+    never does; NaN (unvalidated input) neither."""
+    return logprob > float("-inf")
+
+
 def build_one(lp: np.ndarray, ids: np.ndarray, budget: int):
     """One request. lp [L, K] float32, ids [L, K] int64.
 
-    Returns (tokens [n], depths [n], parents [n + 1]) as Python lists, n <= budget.
-    """
+    Returns (tokens [n], depths [n], parents [n + 1]) as Python lists, n <= budget. The official heap,
+    except that a candidate whose own log-prob is not `live` (-inf: a masked token) is never pushed,
+    so no score is ever -inf (the official sibling update would compute -inf - -inf = NaN there).
+    Rows are sorted, so a row's masked entries are its tail: the sibling chain stops at the first."""
     depth_limit, k_avail = lp.shape
     topk = min(budget, k_avail)
     parents = [-1]
     tokens: list[int] = []
     depths: list[int] = []
-    if budget <= 0 or depth_limit == 0:
+    if budget <= 0 or depth_limit == 0 or not live(lp[0, 0]):
         return tokens, depths, parents
     first = float(lp[0, 0])
     # (negated score, rank path, parent index, depth, rank, score): tuple order gives the tie-break.
@@ -38,10 +47,10 @@ def build_one(lp: np.ndarray, ids: np.ndarray, budget: int):
         depths.append(depth)
         parents.append(parent)
         index = len(tokens)
-        if rank + 1 < topk:
+        if rank + 1 < topk and live(lp[depth - 1, rank + 1]):
             s = score - float(lp[depth - 1, rank]) + float(lp[depth - 1, rank + 1])
             heapq.heappush(heap, (-s, ranks[:-1] + (rank + 1,), parent, depth, rank + 1, s))
-        if depth < depth_limit:
+        if depth < depth_limit and live(lp[depth, 0]):
             s = score + float(lp[depth, 0])
             heapq.heappush(heap, (-s, ranks + (0,), index, depth + 1, 0, s))
     return tokens, depths, parents

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
 from kdtree_engine.impl import IMPLS
+from kdtree_engine.ref.tree import MAX_VOCAB
 from kdtree_engine.tree import accept_greedy, build_tree_from_logits, compile_tree
 
 
@@ -15,8 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--depth", type=int, default=4, help="draft block length L")
     parser.add_argument("--vocab", type=int, default=12, help="vocabulary size V")
     parser.add_argument("--budget", type=int, default=8, help="tree nodes, root not counted")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--impl", choices=IMPLS, default=None, help="default: the fastest that applies")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random logits")
+    parser.add_argument(
+        "--impl",
+        choices=IMPLS,
+        default=None,
+        help="ref: the torch reference; triton, hopper: the Triton kernels, on a CUDA GPU (or on the CPU "
+        "through the Triton interpreter with TRITON_INTERPRET=1) (default: ref, on the CPU)",
+    )
 
 
 def render(tree, b: int = 0) -> list[str]:
@@ -37,22 +46,44 @@ def render(tree, b: int = 0) -> list[str]:
     return lines
 
 
+def _argument_error(args: argparse.Namespace) -> str | None:
+    """The message for a bad argument, or None."""
+    for name, minimum in (("depth", 1), ("vocab", 1), ("budget", 0)):
+        if getattr(args, name) < minimum:
+            return f"--{name}: expected >= {minimum}, got {getattr(args, name)}"
+    if args.vocab > MAX_VOCAB:
+        return f"--vocab: expected <= {MAX_VOCAB}, got {args.vocab}"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.impl in ("triton", "hopper") and not torch.cuda.is_available() and not interpreted:
+        return (
+            f"--impl {args.impl} needs a CUDA GPU here; use --impl ref (or set TRITON_INTERPRET=1 to run "
+            "the Triton kernels through the slow CPU interpreter)"
+        )
+    return None
+
+
 def main(args: argparse.Namespace) -> int:
-    for name in ("depth", "vocab"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name}: expected >= 1")
+    error = _argument_error(args)
+    if error is not None:
+        print(f"kdtree-engine tree: {error}", file=sys.stderr)
+        return 2
+    # The kernels run where their inputs are: on the GPU when one is asked for and present.
+    kernels = args.impl in ("triton", "hopper") and torch.cuda.is_available()
+    device = torch.device("cuda" if kernels else "cpu")
     g = torch.Generator().manual_seed(args.seed)
-    logits = torch.randn(1, args.depth, args.vocab, generator=g) * 2
+    logits = (torch.randn(1, args.depth, args.vocab, generator=g) * 2).to(device)
     tree = build_tree_from_logits(logits, args.budget, impl=args.impl)
     print(f"DDTree: L={args.depth} V={args.vocab} budget={args.budget}, {int(tree.num_nodes[0])} nodes")
     print("\n".join(render(tree)))
-    verify = compile_tree(tree, torch.tensor([0]), torch.tensor([100]), impl=args.impl)
+    verify = compile_tree(
+        tree, torch.tensor([0], device=device), torch.tensor([100], device=device), impl=args.impl
+    )
     print("positions:", verify.positions[0].tolist())
     print("visibility (row i: nodes that node i attends to):")
     for i, row in enumerate(verify.visibility[0].int().tolist()):
         print(f"  {i:3d} " + "".join("#" if x else "." for x in row))
     # Pretend the target agrees with the drafter's greedy chain: the walk accepts it.
-    target = torch.zeros((1, tree.budget + 1), dtype=torch.long)
+    target = torch.zeros((1, tree.budget + 1), dtype=torch.long, device=device)
     target[0, 0] = logits[0, 0].argmax()
     for i in range(1, int(tree.num_nodes[0]) + 1):
         d = int(tree.depths[0, i - 1])

@@ -32,7 +32,9 @@ def build_tree(
 
     top_logprobs [B, L, K] float32 log-softmax values, rows sorted descending ([L, K] is taken as B=1);
     top_ids [B, L, K] int64 token ids; budget >= 0 nodes, root not counted. Only the first
-    min(budget, K) columns are used. vocab_size, when given, bounds the ids.
+    min(budget, K) columns are used. vocab_size, when given, bounds the ids. A -inf log-prob is a
+    masked token (probability 0): it never enters the tree (nor its subtree), so the tree may hold fewer
+    than `budget` nodes. NaN and +inf are refused when validating.
     Returns a DraftTree with tokens/depths [B, budget], parents [B, budget + 1], num_nodes [B].
     """
     budget = v.check_int(budget, "budget")
@@ -42,13 +44,9 @@ def build_tree(
     return ref.build_tree(lp, ids, budget)
 
 
-def build_tree_from_logits(
-    draft_logits, budget: int, *, impl: str | None = None, validate: bool = True
-) -> DraftTree:
-    """draft_logits [B, L, V] (any float dtype; [L, V] is taken as B=1; 1 <= V <= 2^22): top-k with
-    k = min(budget, V) (ties: smaller token id first) of the float32 logits minus the log-softmax
-    normalizer (ref.tree.log_normalizer: bit-identical on every device and impl), then build_tree."""
-    budget = v.check_int(budget, "budget")
+def _as_logits(draft_logits) -> torch.Tensor:
+    """draft_logits as a [B, L, V] float tensor (fp32, bf16 or fp16: other dtypes are converted to
+    float32 here, as both impls compute in float32, so the value checks see the values they use)."""
     logits = v.as_tensor(draft_logits, "draft_logits")
     if logits.dim() == 2:
         logits = logits.unsqueeze(0)
@@ -58,9 +56,28 @@ def build_tree_from_logits(
             f"draft_logits: V (last dim) must be in [1, {ref.MAX_VOCAB}], got {logits.shape[-1]}"
         )
     v.require_float(logits, "draft_logits")
-    if validate and v.can_read(logits):
-        v.check_finite(logits, "draft_logits")
-    if resolve_impl(impl, logits.device) == "triton":
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits
+
+
+def build_tree_from_logits(
+    draft_logits, budget: int, *, impl: str | None = None, validate: bool = True
+) -> DraftTree:
+    """draft_logits [B, L, V] (any float dtype; [L, V] is taken as B=1; 1 <= V <= 2^22): top-k with
+    k = min(budget, V) (ties: smaller token id first) of the float32 logits minus the log-softmax
+    normalizer (ref.tree.log_normalizer: bit-identical on every device and impl), then build_tree.
+
+    -inf logits are masked tokens (probability 0): they never enter the tree, which may then hold
+    fewer than `budget` nodes. Refused when validating: NaN, +inf, a row without a finite logit. With
+    validate=False the kernel path checks nothing (no sync) and such rows give an undefined tree;
+    impl="ref" reads the logits on the host anyway and always checks them."""
+    budget = v.check_int(budget, "budget")
+    logits = _as_logits(draft_logits)
+    use_ref = resolve_impl(impl, logits.device) == "ref"
+    if (validate or use_ref) and v.can_read(logits):
+        v.check_log_values(logits, "draft_logits", empty_rows=False)
+    if not use_ref:
         return _kernels().build_tree_from_logits(logits, budget)
     if budget == 0:
         empty = logits.new_zeros(*logits.shape[:2], 1)
@@ -83,27 +100,51 @@ def _check_per_request(x, name: str, tree: DraftTree, width: int | None = None) 
     return t.contiguous()
 
 
+def _check_vocab_size(vocab_size) -> int | None:
+    return None if vocab_size is None else v.check_int(vocab_size, "vocab_size", minimum=1)
+
+
 def compile_tree(
-    tree: DraftTree, root_tokens, start_positions, *, impl: str | None = None, validate: bool = True
+    tree: DraftTree,
+    root_tokens,
+    start_positions,
+    *,
+    vocab_size: int | None = None,
+    impl: str | None = None,
+    validate: bool = True,
 ) -> VerifyInputs:
     """root_tokens [B] int64 (the bonus token each tree hangs from), start_positions [B] int64 (the
-    root's position) -> VerifyInputs with N = budget + 1 (see its docstring). The sign check of
-    start_positions reads the data: skipped with validate=False and while a CUDA graph is captured."""
+    root's position) -> VerifyInputs with N = budget + 1 (see its docstring). Value checks (root_tokens
+    >= 0 and < vocab_size when given, start_positions >= 0) read the data with one host sync: skipped
+    with validate=False and while a CUDA graph is captured."""
     _check_tree(tree)
+    vocab_size = _check_vocab_size(vocab_size)
     roots = _check_per_request(root_tokens, "root_tokens", tree)
     starts = _check_per_request(start_positions, "start_positions", tree)
-    if validate and v.can_read(starts) and starts.numel() and bool((starts < 0).any()):
-        raise ValueError("start_positions: expected >= 0")
+    if validate and v.can_read(starts):
+        v.check_ranges({"root_tokens": (roots, vocab_size), "start_positions": (starts, None)})
     if resolve_impl(impl, tree.device) == "triton":
         return _kernels().compile_tree(tree, roots, starts)
     return ref.compile_tree(tree, roots, starts)
 
 
-def accept_greedy(tree: DraftTree, target_tokens, *, impl: str | None = None) -> AcceptResult:
+def accept_greedy(
+    tree: DraftTree,
+    target_tokens,
+    *,
+    vocab_size: int | None = None,
+    impl: str | None = None,
+    validate: bool = True,
+) -> AcceptResult:
     """target_tokens [B, N] int64, the target's argmax at every tree node (N = budget + 1) ->
-    AcceptResult: accepted [B, L + 1] node indices (root first, -1 padded), accept_len [B], bonus [B]."""
+    AcceptResult: accepted [B, L + 1] node indices (root first, -1 padded), accept_len [B], bonus [B].
+    The value check (target_tokens >= 0 and < vocab_size when given) reads the data with one host sync:
+    skipped with validate=False and while a CUDA graph is captured."""
     _check_tree(tree)
+    vocab_size = _check_vocab_size(vocab_size)
     target = _check_per_request(target_tokens, "target_tokens", tree, tree.budget + 1)
+    if validate and v.can_read(target):
+        v.check_ranges({"target_tokens": (target, vocab_size)})
     if resolve_impl(impl, tree.device) == "triton":
         return _kernels().accept_greedy(tree, target)
     return ref.accept_greedy(tree, target)

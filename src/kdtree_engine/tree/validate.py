@@ -65,10 +65,55 @@ def check_same_device(named: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"tensors must share one device: {listing}")
 
 
-def check_finite(x: torch.Tensor, name: str) -> None:
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        bad = "NaN" if bool(torch.isnan(x).any()) else "inf"
-        raise ValueError(f"{name}: expected finite values, found {bad}")
+def index_str(flat: int, shape) -> str:
+    """The flat (row-major) index of an element of a tensor of `shape` as "[i, j, ...]"."""
+    return "[" + ", ".join(str(int(i)) for i in np.unravel_index(flat, tuple(shape))) + "]"
+
+
+def check_log_values(x: torch.Tensor, name: str, *, empty_rows: bool) -> None:
+    """Logits or log-probs [..., V]: NaN and +inf refused, -inf allowed (a masked token, probability 0);
+    with empty_rows=False each row needs a finite value. The good path is one reduction (the row max,
+    which propagates NaN) and one host sync; an error names the first offending index."""
+    if x.numel() == 0:
+        return
+    row_max = x.amax(-1)
+    bad = torch.isnan(row_max) | (row_max == float("inf"))
+    if not empty_rows:
+        bad |= row_max == float("-inf")
+    if bool(bad.any()):
+        _raise_bad_values(x, row_max, name)
+
+
+def _raise_bad_values(x: torch.Tensor, row_max: torch.Tensor, name: str) -> None:
+    """The error of check_log_values: the first NaN, else the first +inf, else the first empty row."""
+    for what, rows, find in (
+        ("NaN", torch.isnan(row_max), torch.isnan),
+        ("+inf", row_max == float("inf"), lambda r: r == float("inf")),
+    ):
+        if bool(rows.any()):
+            row = int(rows.reshape(-1).nonzero()[0])
+            col = int(find(x.reshape(-1, x.shape[-1])[row]).nonzero()[0])
+            raise ValueError(f"{name}: contains {what} at {index_str(row * x.shape[-1] + col, x.shape)}")
+    row = int((row_max == float("-inf")).reshape(-1).nonzero()[0])
+    raise ValueError(f"{name}: row {index_str(row, row_max.shape)} has no finite logit (all -inf)")
+
+
+def check_ranges(named: dict[str, tuple[torch.Tensor, int | None]]) -> None:
+    """name -> (integer tensor, vocab_size or None): every value >= 0, and < vocab_size when given. All
+    tensors are read with one host sync; the error names the argument and its first offending element."""
+    named = {n: (t, hi) for n, (t, hi) in named.items() if t.numel()}
+    if not named:
+        return
+    found = []
+    for t, hi in named.values():
+        flat = t.reshape(-1)
+        bad = flat < 0 if hi is None else (flat < 0) | (flat >= hi)
+        first = bad.to(torch.uint8).argmax().reshape(1)  # the first True: argmax takes the first maximum
+        found.append(torch.cat([bad.any().long().reshape(1), first, flat.gather(0, first).long()]))
+    for (name, (t, hi)), (any_bad, first, value) in zip(named.items(), torch.stack(found).tolist()):
+        if any_bad:
+            want = ">= 0" if hi is None else f"in [0, vocab_size={hi})"
+            raise ValueError(f"{name}: expected values {want}, got {value} at {index_str(first, t.shape)}")
 
 
 def check_sorted_desc(x: torch.Tensor, name: str) -> None:
@@ -103,7 +148,7 @@ def check_topk_inputs(top_logprobs, top_ids, vocab_size: int | None, validate: b
     lp = check_float(lp, "top_logprobs")
     ids = check_integer_dtype(ids, "top_ids")
     if validate and can_read(lp):
-        check_finite(lp, "top_logprobs")
+        check_log_values(lp, "top_logprobs", empty_rows=True)
         check_sorted_desc(lp, "top_logprobs")
         check_id_range(ids, "top_ids", vocab_size)
     return lp.contiguous(), ids.contiguous()
