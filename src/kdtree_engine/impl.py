@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 IMPLS = ("ref", "triton", "hopper")
@@ -45,3 +47,10 @@ def resolve_impl(impl: str | None, device: torch.device) -> str:
     if impl is None:
         return "triton" if device.type == "cuda" and triton_available() else "ref"
     return "ref" if impl == "ref" else "triton"
+
+
+def kernels_unavailable(impl: str | None, device_type: str) -> bool:
+    """Whether a kernel impl ("triton", "hopper") was asked for where it cannot run: off CUDA and not
+    under the Triton interpreter (TRITON_INTERPRET=1, how the tests run kernels on the CPU)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return impl in ("triton", "hopper") and device_type != "cuda" and not interpreted

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass, replace
@@ -23,7 +22,7 @@ from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.loop import GenerationOutput, generate
 from kdtree_engine.engine.sampling import SamplingParams
 from kdtree_engine.engine.text import TextStream
-from kdtree_engine.impl import IMPLS
+from kdtree_engine.impl import IMPLS, kernels_unavailable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
@@ -319,9 +318,8 @@ def _methods(args) -> list[str]:
 
 def _check_impl_device(impl: str | None, device: str) -> None:
     """Triton kernels need a CUDA device (or the interpreter, TRITON_INTERPRET=1, as the tests use)."""
-    if impl in ("triton", "hopper") and not device.startswith("cuda"):
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"--impl {impl}: needs --device cuda (a CUDA GPU); use --impl ref on the CPU")
+    if kernels_unavailable(impl, "cuda" if device.startswith("cuda") else "cpu"):
+        raise ValueError(f"--impl {impl}: needs --device cuda (a CUDA GPU); use --impl ref on the CPU")
 
 
 def _check_device(name: str) -> None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-from kdtree_engine.impl import IMPLS
+from kdtree_engine.impl import IMPLS, kernels_unavailable
 from kdtree_engine.ref.tree import MAX_VOCAB
 from kdtree_engine.tree import accept_greedy, build_tree_from_logits, compile_tree
 
@@ -53,8 +52,7 @@ def _argument_error(args: argparse.Namespace) -> str | None:
             return f"--{name}: expected >= {minimum}, got {getattr(args, name)}"
     if args.vocab > MAX_VOCAB:
         return f"--vocab: expected <= {MAX_VOCAB}, got {args.vocab}"
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if args.impl in ("triton", "hopper") and not torch.cuda.is_available() and not interpreted:
+    if kernels_unavailable(args.impl, "cuda" if torch.cuda.is_available() else "cpu"):
         return (
             f"--impl {args.impl} needs a CUDA GPU here; use --impl ref (or set TRITON_INTERPRET=1 to run "
             "the Triton kernels through the slow CPU interpreter)"
