@@ -25,8 +25,13 @@ BENCHMARKS = {
     "attention": ("kdtree_engine.bench.attention", "tree-verify MLA attention against naive torch"),
     "e2e": ("kdtree_engine.bench.e2e", "whole generation runs: autoregressive, DFlash and DDTree"),
 }
+TRAINING = {
+    "data": ("kdtree_engine.train.data", "prepare the kimi-nano corpus and tokenizer (Python stdlib source)"),
+    "target": ("kdtree_engine.train.target", "train the kimi-nano target (transformers, resumable)"),
+    "drafter": ("kdtree_engine.train.drafter", "train a DFlash drafter for a target (resumable)"),
+}
 # Optional dependencies -> the pyproject extra that installs them.
-EXTRAS = {"transformers": "hf", "tokenizers": "hf", "triton": "gpu", "matplotlib": "bench"}
+EXTRAS = {"transformers": "hf", "tokenizers": "hf", "triton": "gpu", "matplotlib": "bench", "tqdm": "train"}
 # What to make smaller when an allocation does not fit, per command.
 SMALLER = {
     "generate": "--max-new-tokens, --budget or the batch (fewer --prompt)",
@@ -88,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="benchmark", required=True)
     for name, (module, help_text) in BENCHMARKS.items():
         _add(bench, name, module, help_text)
+    train = sub.add_parser("train", help="train kimi-nano and its drafter").add_subparsers(
+        dest="stage", required=True
+    )
+    for name, (module, help_text) in TRAINING.items():
+        _add(train, name, module, help_text)
     return parser
 
 
@@ -131,7 +141,8 @@ def _silence_stdout() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    name = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
+    parts = (args.command, getattr(args, "benchmark", None), getattr(args, "stage", None))
+    name = " ".join(filter(None, parts))
     if getattr(args, "_missing", False):
         print(f"kdtree-engine: '{name}' is not available in this build", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""Training of the shipped kimi-nano target and its DFlash drafter."""
