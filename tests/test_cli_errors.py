@@ -227,12 +227,15 @@ def test_bad_drafter_checkpoint_is_one_line(good, tmp_path, capsys, kind):
 def test_tokenizer_without_transformers_names_the_extra(good, tmp_path, capsys, monkeypatch):
     """`pip install -e .` has no transformers: a checkpoint with tokenizer files says which extra to add."""
     path = _copy(good, tmp_path, "model")
-    (path / "tokenizer.json").write_text("{}")
+    (path / "tokenizer_config.json").write_text("{}")
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
     rc, _, err = _generate(capsys, path)
     assert rc == 2
     line = _error_line(err)
     assert "transformers" in line and "[hf]" in line
+    (path / "tokenizer.json").write_text("{}")  # read by `tokenizers` alone: a broken one names the file
+    rc, _, err = _generate(capsys, path)
+    assert rc == 2 and "tokenizer: cannot read" in _error_line(err) and "tokenizer.json" in err
 
 
 # --- memory, Ctrl-C, bugs ----------------------------------------------------------------------------

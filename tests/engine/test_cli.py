@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 
@@ -17,7 +18,7 @@ def _run(capsys, *argv):
 
 
 def test_demo_compare_matches_autoregressive(capsys):
-    rc, out, _ = _run(capsys, "--demo", "--compare", "--max-new-tokens", "40")
+    rc, out, _ = _run(capsys, "--demo", "random", "--compare", "--max-new-tokens", "40")
     assert rc == 0
     assert "ddtree: target forwards" in out and "dflash: target forwards" in out
     assert out.count("output identical: YES") == 2
@@ -39,7 +40,16 @@ def _requests(out: str, method: str) -> dict[int, str]:
 
 
 def test_batch_prompts_random_drafter_and_sampling(capsys):
-    args = ["--demo", "--demo-drafter", "random", "--prompt", "1 2 3", "--prompt-ids", "9 8 7 6 5 4"]
+    args = [
+        "--demo",
+        "random",
+        "--demo-drafter",
+        "random",
+        "--prompt",
+        "1 2 3",
+        "--prompt-ids",
+        "9 8 7 6 5 4",
+    ]
     rc, out, _ = _run(capsys, *args, "--method", "dflash", "--max-new-tokens", "8", "--compare")
     assert rc == 0 and "output identical: YES" in out
     texts = _requests(out, "dflash")  # batch > 1 streams too: "[b] piece" lines, interleaved
@@ -56,22 +66,25 @@ def test_batch_prompts_random_drafter_and_sampling(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--demo", "--prompt", "hello world"], "space-separated token ids"),
-        (["--demo", "--prompt", ""], "prompt 0 is empty"),
-        (["--demo", "--budget", "-2"], "budget"),
+        (["--demo", "random", "--prompt", "hello world"], "space-separated token ids"),
+        (["--demo", "random", "--prompt", ""], "prompt 0 is empty"),
+        (["--demo", "random", "--budget", "-2"], "budget"),
         (["--drafter", "/nonexistent"], "--model"),
-        (["--demo", "--impl", "cuda"], "impl: expected one of ('ref', 'triton', 'hopper') or None"),
-        (["--demo", "--method", "beam"], "method: expected one of"),
-        (["--demo", "--top-p", "0"], "top_p"),
-        (["--demo", "--stop", "-1"], "stop_tokens"),
-        (["--demo", "--prompt-ids", "1 two"], "--prompt-ids: expected token ids separated by spaces"),
-        (["--demo", "--stop-string", ""], "--stop-string: expected a non-empty string"),
+        (["--demo", "random", "--impl", "cuda"], "impl: expected one of ('ref', 'triton', 'hopper') or None"),
+        (["--demo", "random", "--method", "beam"], "method: expected one of"),
+        (["--demo", "random", "--top-p", "0"], "top_p"),
+        (["--demo", "random", "--stop", "-1"], "stop_tokens"),
         (
-            ["--demo", "--chat"],
+            ["--demo", "random", "--prompt-ids", "1 two"],
+            "--prompt-ids: expected token ids separated by spaces",
+        ),
+        (["--demo", "random", "--stop-string", ""], "--stop-string: expected a non-empty string"),
+        (
+            ["--demo", "random", "--chat"],
             "--chat: needs a tokenizer with a chat template, and the demo has no tokenizer",
         ),
-        (["--demo", "--device", "gpu"], "--device: 'gpu' is not a device (cpu, cuda, cuda:N)"),
-        (["--demo", "--device", "cpu", "--max-new-tokens", "-1"], "max_new_tokens"),
+        (["--demo", "random", "--device", "gpu"], "--device: 'gpu' is not a device (cpu, cuda, cuda:N)"),
+        (["--demo", "random", "--device", "cpu", "--max-new-tokens", "-1"], "max_new_tokens"),
     ],
 )
 def test_errors_exit_2(capsys, argv, message):
@@ -124,7 +137,7 @@ def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
 def test_no_cuda_graphs_gives_the_same_stream(capsys):
     streams = []
     for extra in ([], ["--no-cuda-graphs"]):
-        rc, out, _ = _run(capsys, "--demo", "--max-new-tokens", "12", *extra)
+        rc, out, _ = _run(capsys, "--demo", "random", "--max-new-tokens", "12", *extra)
         assert rc == 0 and "(CUDA graphs)" not in out  # the CPU never captures
         streams.append(re.findall(r"^--- ddtree.*---\n([\d ]+)\n", out, flags=re.M))
     assert streams[0] == streams[1] and streams[0]
@@ -192,8 +205,6 @@ def ckpt(tmp_path_factory):
 
 def _variant(ckpt, name: str, **files) -> str:
     """A copy of the checkpoint dir with extra or replaced files (name -> text; None removes)."""
-    import shutil
-
     path = ckpt.root / name
     if not path.exists():
         shutil.copytree(ckpt.model, path)
@@ -261,10 +272,10 @@ def test_stop_strings(capsys, ckpt):
     rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT, "--no-stream"))
     assert rc == 0 and f"---\n[0] {expected}\n[ddtree]" in out
     # In the demo (the text is the ids): cut before the 3rd token.
-    rc, out, _ = _run(capsys, "--demo", "--max-new-tokens", "8")
+    rc, out, _ = _run(capsys, "--demo", "random", "--max-new-tokens", "8")
     text = _stream_of(out, "ddtree")
     stop = " " + " ".join(text.split()[2:4])
-    rc, out, _ = _run(capsys, "--demo", "--max-new-tokens", "8", "--stop-string", stop)
+    rc, out, _ = _run(capsys, "--demo", "random", "--max-new-tokens", "8", "--stop-string", stop)
     assert rc == 0 and _stream_of(out, "ddtree") == text[: text.index(stop)]
 
 
@@ -340,11 +351,22 @@ def test_trust_remote_code(capsys, ckpt, monkeypatch, tmp_path):
     assert rc == 0 and _stream_of(out, "ddtree") == ckpt.text
 
 
-def test_missing_transformers_names_the_extra(capsys, ckpt, monkeypatch):
+def test_without_transformers_tokenizer_json_is_read_by_tokenizers(capsys, ckpt, monkeypatch, tmp_path):
+    """`pip install -e .` has no transformers: a tokenizer.json still works (through `tokenizers`, with
+    the same text); tokenizer files without a tokenizer.json name the extra to install."""
     import sys
 
+    gen = ["--prompt", PROMPT, "--max-new-tokens", str(NEW), "--ignore-eos"]
+    rc, with_hf, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen))
+    assert rc == 0
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ModuleNotFoundError
-    rc, out, err = _run(capsys, *_ckpt_args(ckpt, None, "--prompt", PROMPT))
+    rc, without_hf, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen))
+    assert rc == 0 and _stream_of(without_hf, "ddtree") == _stream_of(with_hf, "ddtree") == ckpt.text
+    model = tmp_path / "model"
+    shutil.copytree(ckpt.model, model)  # the fixture is shared: change a copy
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer_config.json").write_text("{}")
+    rc, out, err = _run(capsys, *_ckpt_args(ckpt, model, "--prompt", PROMPT))
     assert rc == 2 and out == "" and err.count("\n") == 1
     assert "needs transformers" in err and 'pip install "kdtree-engine[hf]"' in err
 
@@ -366,7 +388,7 @@ def test_errors_before_anything_is_printed(capsys, ckpt, monkeypatch):
                       "--max-new-tokens", "2", "--device", "cpu")  # fmt: skip
     assert rc == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for argv in (["--demo"], _ckpt_args(ckpt)[:4]):
+    for argv in (["--demo", "random"], _ckpt_args(ckpt)[:4]):
         rc, out, err = _run(capsys, *argv, "--device", "cuda", "--prompt", PROMPT)
         assert (rc, out) == (2, "") and err.count("\n") == 1
         assert "--device cuda: no CUDA GPU is available to torch here; use --device cpu" in err
@@ -383,7 +405,7 @@ def test_errors_before_anything_is_printed(capsys, ckpt, monkeypatch):
 
 def test_impl_triton_on_the_cpu_is_refused_without_the_interpreter(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rc, out, err = _run(capsys, "--demo", "--impl", "triton", "--max-new-tokens", "4")
+    rc, out, err = _run(capsys, "--demo", "random", "--impl", "triton", "--max-new-tokens", "4")
     assert rc == 2 and out == "" and "--impl triton: needs --device cuda" in err
 
 

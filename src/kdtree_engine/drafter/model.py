@@ -38,21 +38,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DrafterCache:
     """Roped keys and values of the context rows only.
 
-    k, v    [layers, B, max_len, g, d]
+    k, v    [layers, B, max_len + spare, g, d]
     seqlens [B] int64  context rows in use (== the position of the next context row)
+    spare   rows past max_len that take the writes of padding context rows (see DFlashDrafter.forward)
     """
 
     k: torch.Tensor
     v: torch.Tensor
     seqlens: torch.Tensor
+    spare: int = 0
 
     @property
     def max_len(self) -> int:
-        return int(self.k.shape[2])
+        return int(self.k.shape[2]) - self.spare
 
     def select(self, index: torch.Tensor) -> DrafterCache:
         """The cache of batch rows `index` [n] int64 only (the engine drops finished requests)."""
-        return DrafterCache(self.k.index_select(1, index), self.v.index_select(1, index), self.seqlens[index])
+        k, v = self.k.index_select(1, index), self.v.index_select(1, index)
+        return DrafterCache(k, v, self.seqlens[index], self.spare)
 
 
 class DFlashAttention(nn.Module):
@@ -67,31 +70,43 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.heads, self.kv_heads, self.head_dim = h, g, d
 
-    def _kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def queries(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x [B, T, H] -> normed, roped queries [B, T, h, d]."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim))
+        return apply_rope(q, cos, sin)
+
+    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> normed, roped keys and values [B, T, g, d]."""
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim))
         return apply_rope(k, cos, sin), self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
 
-    def forward(self, x, ctx, block_rope, ctx_rope, cache_k, cache_v, write, key_valid) -> torch.Tensor:
-        """x [B, T, H] block, ctx [B, C, H] new context; cache_k/v [B, max_len, g, d] (this layer's,
-        updated in place at write = (batch idx, slot, row) of the real context rows);
-        key_valid [B, S] bool over the first S cache slots. Returns [B, T, H]."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, T, h, d], k / v [B, K, g, d], mask [B, T or 1, K] bool (True: visible) -> o_proj of the
+        attention output [B, T, H]. Shared by inference and training (kdtree_engine.train.drafter)."""
+        b, t = q.shape[:2]
+        rep = self.heads // self.kv_heads
+        k, v = (z.repeat_interleave(rep, dim=2).transpose(1, 2) for z in (k, v))  # [B, h, K, d]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward(self, x, ctx, block_rope, ctx_rope, cache_k, cache_v, slots, key_valid) -> torch.Tensor:
+        """x [B, T, H] block, ctx [B, C, H] new context; cache_k/v [B, max_len + spare, g, d] (this
+        layer's, context row c of request b written in place at slot slots[b, c]); key_valid [B, S] bool
+        over the first S cache slots. Returns [B, T, H]."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.heads, self.head_dim))
-        q = apply_rope(q, *block_rope)  # [B, T, h, d]
-        k_blk, v_blk = self._kv(x, *block_rope)  # [B, T, g, d]
-        k_ctx, v_ctx = self._kv(ctx, *ctx_rope)  # [B, C, g, d]
-        bi, slot, row = write
-        cache_k[bi, slot] = k_ctx[bi, row]
-        cache_v[bi, slot] = v_ctx[bi, row]
+        q = self.queries(x, *block_rope)  # [B, T, h, d]
+        k_blk, v_blk = self.keys_values(x, *block_rope)  # [B, T, g, d]
+        k_ctx, v_ctx = self.keys_values(ctx, *ctx_rope)  # [B, C, g, d]
+        rows = torch.arange(b, device=x.device)[:, None]
+        cache_k[rows, slots] = k_ctx
+        cache_v[rows, slots] = v_ctx
         s = key_valid.shape[1]
         k = torch.cat([cache_k[:, :s], k_blk], dim=1)  # [B, S + T, g, d]
         v = torch.cat([cache_v[:, :s], v_blk], dim=1)
-        rep = self.heads // self.kv_heads
-        k, v = (z.repeat_interleave(rep, dim=2).transpose(1, 2) for z in (k, v))  # [B, h, S + T, d]
-        mask = torch.cat([key_valid, key_valid.new_ones(b, t)], dim=1)[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)  # [B, h, T, d]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        mask = torch.cat([key_valid, key_valid.new_ones(b, t)], dim=1)[:, None, :]  # [B, 1, S + T]
+        return self.attend(q, k, v, mask)
 
 
 class DFlashMLP(nn.Module):
@@ -123,6 +138,8 @@ class DFlashDrafter(nn.Module):
     """Parameter names follow the published checkpoints: layers.N.self_attn.q_proj.weight, fc.weight,
     hidden_norm.weight, norm.weight, ... (no embedding, no lm_head: those are the target's)."""
 
+    capturable = True  # draft() reads no tensor on the host: the engine captures it in a CUDA graph
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
@@ -140,12 +157,16 @@ class DFlashDrafter(nn.Module):
         return self.config.target_layer_ids
 
     def new_cache(self, batch_size: int, max_len: int) -> DrafterCache:
+        """A cache of max_len context rows per request, plus block_size spare rows for the padding rows
+        of a round's context (a round brings at most block_size rows: the accepted nodes and the bonus)."""
         c, p = self.config, self.fc.weight
-        shape = (c.num_hidden_layers, batch_size, max_len, c.num_key_value_heads, c.head_dim)
+        spare = c.block_size
+        shape = (c.num_hidden_layers, batch_size, max_len + spare, c.num_key_value_heads, c.head_dim)
         return DrafterCache(
             k=p.new_zeros(shape),
             v=p.new_zeros(shape),
             seqlens=torch.zeros(batch_size, dtype=torch.int64, device=p.device),
+            spare=spare,
         )
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -163,24 +184,26 @@ class DFlashDrafter(nn.Module):
         """block_embeds [B, T, H] (target-embedded [bonus, MASK x L]); context [B, C, F] target hidden
         states of the rows since the last call (C may be 0), context_lens [B] int64 real rows per request;
         start [B] int64 position of the bonus token, == cache.seqlens + context_lens.
-        Appends the context rows to the cache and returns the final-normed hidden states [B, T, H]."""
+        Appends the context rows to the cache and returns the final-normed hidden states [B, T, H].
+
+        No host reads (so a round that calls it can be captured in a CUDA graph): every context row is
+        written, the padding rows (c >= context_lens[b]) at slots past the request's new length, where
+        they stay masked until a real row overwrites them (or in the spare rows), and the block attends
+        to all max_len cache slots with the unused ones masked."""
         b, t, _ = block_embeds.shape
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(context.to(dtype)))  # [B, C, H]
         c = ctx.shape[1]
-        arange_c = torch.arange(c, device=ctx.device)
-        ctx_pos = cache.seqlens[:, None] + arange_c  # [B, C]
+        ctx_pos = cache.seqlens[:, None] + torch.arange(c, device=ctx.device)  # [B, C]
+        slots = ctx_pos.clamp(max=cache.k.shape[2] - 1)  # only padding rows reach the spare rows
         blk_pos = start[:, None] + torch.arange(t, device=ctx.device)  # [B, T]
-        bi, row = (arange_c[None, :] < context_lens[:, None]).nonzero(as_tuple=True)
-        write = (bi, ctx_pos[bi, row], row)
         new_len = cache.seqlens + context_lens
-        s = int(new_len.max()) if b else 0
-        key_valid = torch.arange(s, device=ctx.device)[None, :] < new_len[:, None]  # [B, S]
+        key_valid = torch.arange(cache.max_len, device=ctx.device)[None, :] < new_len[:, None]  # [B, S]
         block_rope, ctx_rope = self._rope(blk_pos, dtype), self._rope(ctx_pos, dtype)
         x = block_embeds.to(dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, block_rope, ctx_rope, cache.k[i], cache.v[i], write, key_valid)
-        cache.seqlens = new_len
+            x = layer(x, ctx, block_rope, ctx_rope, cache.k[i], cache.v[i], slots, key_valid)
+        cache.seqlens.copy_(new_len)
         return self.norm(x)
 
     def draft(

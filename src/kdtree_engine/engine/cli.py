@@ -2,8 +2,10 @@
 
 With --model/--drafter it loads HF-format checkpoints (tokenizer files in the model dir are used when
 present, else prompts are space-separated token ids; its generation_config.json gives defaults). With
---demo (or neither path) it runs on a seeded tiny random target and a demo drafter: no download, CPU is
-enough. Argument errors are one line on stderr and exit 2, before anything is printed or loaded.
+--demo (or neither path) it runs the embedded kimi-nano target and its trained DFlash drafter through the
+same loaders, on a held-out code-completion prompt: no download, CPU is enough. `--demo random` runs a
+seeded tiny random target with a labelled stand-in drafter instead (for tests of the engine). Argument
+errors are one line on stderr and exit 2, before anything is printed or loaded.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 HF_EXTRA = 'pip install "kdtree-engine[hf]" (pip install -e ".[hf]" in a checkout)'
+DEMOS = ("kimi-nano", "random")
 
 EPILOG = """\
 output:
@@ -65,12 +68,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("--model", help="target checkpoint dir (HF DeepSeek-V3 / Kimi-K2 format)")
     parser.add_argument("--drafter", help="DFlash drafter checkpoint dir (config.json + safetensors)")
-    parser.add_argument("--demo", action="store_true", help="tiny random target + demo drafter, no download")
+    parser.add_argument(
+        "--demo",
+        nargs="?",
+        const="kimi-nano",
+        choices=DEMOS,
+        default=None,
+        help="no download: kimi-nano, the embedded trained target with its trained drafter (the "
+        "default without --model), or random: a tiny random target with a stand-in drafter",
+    )
     parser.add_argument(
         "--demo-drafter",
         choices=("oracle", "random"),
-        default="oracle",
-        help="demo drafter: a noisy oracle stand-in (default) or a random DFlash drafter",
+        default=None,
+        help="drafter of --demo random: a noisy oracle stand-in (default) or a random DFlash drafter",
     )
     parser.add_argument(
         "--prompt",
@@ -165,8 +176,35 @@ def _parse_ids(flag: str, text: str) -> list[int]:
         raise ValueError(f"{flag}: expected token ids separated by spaces, got {text!r}") from None
 
 
+class _TokenizerJson:
+    """A tokenizer.json read by `tokenizers` alone, with the part of a transformers tokenizer's interface
+    that generate uses (no chat template). Used when transformers is not installed."""
+
+    chat_template = None
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.all_special_ids = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
+
+    @classmethod
+    def load(cls, path: Path) -> _TokenizerJson:
+        from tokenizers import Tokenizer
+
+        try:
+            return cls(Tokenizer.from_file(str(path)))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type
+            raise ValueError(f"tokenizer: cannot read {path}: {exc}") from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 class _Tokenizer:
-    """Text <-> ids through a transformers tokenizer, or space-separated ids when there is none."""
+    """Text <-> ids through a transformers tokenizer (or tokenizer.json alone when transformers is not
+    installed), or space-separated ids when there is none."""
 
     def __init__(self, tok=None, source: str = "") -> None:
         self.tok, self.source = tok, source
@@ -179,6 +217,8 @@ class _Tokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
+            if (Path(model_dir) / "tokenizer.json").is_file() and not trust_remote_code:
+                return cls(_TokenizerJson.load(Path(model_dir) / "tokenizer.json"), model_dir)
             missing = getattr(exc, "name", None) or "transformers"
             raise ValueError(
                 f"tokenizer: reading the tokenizer files in {model_dir} needs transformers (cannot import "
@@ -365,6 +405,42 @@ def _prompts(args, tok: _Tokenizer, demo: bool) -> list[list[int]]:
     return out
 
 
+def _random_demo(args, config: GenerationConfig, methods: list[str], text: dict) -> _Session:
+    """`--demo random`: the seeded tiny random target and a stand-in (or random) drafter, token ids."""
+    from kdtree_engine.engine import demo as d
+
+    tok = _Tokenizer(None)
+    prompts = _prompts(args, tok, demo=True) or [list(d.DEMO_PROMPT)]
+    dtype = DTYPES[args.dtype or "float32"]
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # a tiny model: more threads only add synchronization
+    target = d.demo_target(args.device, dtype)
+    cfg = target.config
+    prompts = check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)  # before the oracle
+    check_stop_tokens(config.stop_tokens, cfg.vocab_size)
+    drafter = None
+    if methods != ["autoregressive"]:
+        drafter = d.demo_drafter(args.demo_drafter or "oracle", target, prompts, config.max_new_tokens)
+    return _Session(target, drafter, tok, prompts, config, **text)
+
+
+def _kimi_nano_args(args) -> argparse.Namespace:
+    """The arguments of the default demo: the embedded kimi-nano folders as --model and --drafter and,
+    without a prompt, the first held-out code-completion prompt (printed first)."""
+    from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH, heldout_prompts
+
+    if args.model is not None or args.drafter is not None:
+        raise ValueError("--demo: the demo brings its own model and drafter; drop --model/--drafter")
+    args = argparse.Namespace(**vars(args))
+    args.model, args.drafter = str(KIMI_NANO), str(KIMI_NANO_DFLASH)
+    if not args.prompts:
+        prompt = heldout_prompts()[0]
+        args.prompts = [("text", prompt["text"])]
+        print(f"--- prompt: held-out code from the Python standard library ({prompt['source']}) ---")
+        print(prompt["text"])
+    return args
+
+
 def _load(args) -> _Session:
     """Checks every argument that needs no model first (nothing is printed or loaded before), then loads."""
     _check_device(args.device)
@@ -375,23 +451,13 @@ def _load(args) -> _Session:
         raise ValueError("--stop-string: expected a non-empty string")
     text = {"stop_strings": stop_strings, "skip_special_tokens": not args.show_special_tokens}
     methods = _methods(args)
-    demo = args.demo or (args.model is None and args.drafter is None)
-    if demo:
-        from kdtree_engine.engine import demo as d
-
-        tok = _Tokenizer(None)
-        prompts = _prompts(args, tok, demo=True) or [list(d.DEMO_PROMPT)]
-        dtype = DTYPES[args.dtype or "float32"]
-        if args.device == "cpu":
-            torch.set_num_threads(1)  # a tiny model: more threads only add synchronization
-        target = d.demo_target(args.device, dtype)
-        cfg = target.config
-        prompts = check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)  # before the oracle
-        check_stop_tokens(config.stop_tokens, cfg.vocab_size)
-        drafter = None
-        if methods != ["autoregressive"]:
-            drafter = d.demo_drafter(args.demo_drafter, target, prompts, config.max_new_tokens)
-        return _Session(target, drafter, tok, prompts, config, **text)
+    demo = args.demo or ("kimi-nano" if args.model is None and args.drafter is None else None)
+    if args.demo_drafter and demo != "random":
+        raise ValueError("--demo-drafter: only with --demo random (kimi-nano has its trained drafter)")
+    if demo == "random":
+        return _random_demo(args, config, methods, text)
+    if demo == "kimi-nano":
+        args = _kimi_nano_args(args)
     if args.model is None:
         raise ValueError("--model: a target checkpoint is required unless --demo is given")
     if methods != ["autoregressive"] and not args.drafter:
