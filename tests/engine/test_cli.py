@@ -29,6 +29,37 @@ def test_demo_compare_matches_autoregressive(capsys):
     assert int(forwards["ddtree"]) < int(forwards["dflash"]) < int(forwards["autoregressive"]) == 40
 
 
+def test_kimi_nano_demo_completes_held_out_code(capsys):
+    """The main job: the shipped kimi-nano target and its trained drafter complete a held-out prompt as
+    text, DDTree equals autoregressive decoding, and the trained drafter gets drafts accepted (an
+    untrained one accepts about 1 token per round, the bonus only)."""
+    from kdtree_engine.assets import heldout_prompts
+
+    rc, out, _ = _run(capsys, "--demo", "--compare", "--device", "cpu", "--max-new-tokens", "32")
+    assert rc == 0 and out.count("output identical: YES") == 2
+    assert heldout_prompts()[0]["text"] in out
+    streams = re.findall(r"^--- (\w+)[^\n]*---\n(.*?)\n\[\1\]", out, flags=re.M | re.S)
+    assert [m for m, _ in streams] == ["ddtree", "dflash", "autoregressive"]
+    assert len({t for _, t in streams}) == 1 and re.search(r"[A-Za-z_]{3}", streams[0][1])
+    tau = {
+        m: float(v)
+        for m, v in re.findall(r"^ *(\w+): target forwards.*mean accepted length ([\d.]+)", out, re.M)
+    }
+    assert tau["ddtree"] >= 2.5 and tau["ddtree"] > tau["dflash"] > 1.5
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--demo", "--demo-drafter", "oracle"], "--demo-drafter: only with --demo random"),
+        (["--demo", "--model", "x"], "--demo: the demo brings its own model and drafter"),
+    ],
+)
+def test_kimi_nano_demo_errors(capsys, argv, message):
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 2 and out == "" and message in err
+
+
 def _requests(out: str, method: str) -> dict[int, str]:
     """A batch's streamed text per request: the "[b] piece" lines under the method's header, joined."""
     block = out.split(f"--- {method}", 1)[1].split("\n", 1)[1].split(f"\n[{method}] ", 1)[0]
@@ -137,7 +168,7 @@ def test_checkpoint_dirs_with_a_tokenizer(capsys, tmp_path):
 def test_no_cuda_graphs_gives_the_same_stream(capsys):
     streams = []
     for extra in ([], ["--no-cuda-graphs"]):
-        rc, out, _ = _run(capsys, "--demo", "random", "--max-new-tokens", "12", *extra)
+        rc, out, _ = _run(capsys, "--demo", "random", "--device", "cpu", "--max-new-tokens", "12", *extra)
         assert rc == 0 and "(CUDA graphs)" not in out  # the CPU never captures
         streams.append(re.findall(r"^--- ddtree.*---\n([\d ]+)\n", out, flags=re.M))
     assert streams[0] == streams[1] and streams[0]
