@@ -42,6 +42,7 @@ from kdtree_engine.drafter import (
     load_drafter,
     save_drafter,
 )
+from kdtree_engine.train.data import load_tokens, read_manifest
 
 __all__ = [
     "Batch",
@@ -520,8 +521,8 @@ def _read_manifest(data: Path) -> dict:
     """manifest.json of the data folder; ValueError naming the field when a needed key is missing."""
     path = data / "manifest.json"
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        manifest = read_manifest(data)
+    except (ValueError, OSError) as exc:  # missing, or broken JSON (json's error is a ValueError)
         raise ValueError(f"DrafterTrainConfig.data: cannot read {path} ({exc})") from None
     missing = [k for k in MANIFEST_KEYS if not isinstance(manifest.get(k), int)]
     if missing:
@@ -541,11 +542,6 @@ def check_inputs(cfg: DrafterTrainConfig) -> dict:
         _require((Path(cfg.out) / STATE_FILE).is_file(), "resume", f"no {STATE_FILE} in {cfg.out}")
     _require(cfg.device != "cuda" or torch.cuda.is_available(), "device", "cuda is not available")
     return _read_manifest(data)
-
-
-def _load_tokens(path: Path) -> np.ndarray:
-    """A flat uint16 token file, memory-mapped."""
-    return np.memmap(path, dtype=np.uint16, mode="r")
 
 
 def new_drafter(cfg: DrafterTrainConfig, target_config, mask_token_id: int) -> DFlashDrafter:
@@ -709,9 +705,9 @@ class _Pools:
 def _build_pools(run: _Run, data: Path) -> _Pools:
     cfg, layers = run.cfg, run.drafter.target_layer_ids
     t0 = time.monotonic()
-    train = build_pool(run.target, _load_tokens(data / "train.bin"), cfg.pool_spec(), layers, run.pool_seed)
+    train = build_pool(run.target, load_tokens(data, "train"), cfg.pool_spec(), layers, run.pool_seed)
     held_spec = cfg.pool_spec(cfg.heldout_sequences)
-    heldout = build_pool(run.target, _load_tokens(data / "heldout.bin"), held_spec, layers, run.pool_seed + 1)
+    heldout = build_pool(run.target, load_tokens(data, "heldout"), held_spec, layers, run.pool_seed + 1)
     lo, hi = _anchor_range(heldout, cfg.block_size)
     gen = torch.Generator().manual_seed(run.pool_seed + 2)
     anchors = sample_anchors(len(heldout), cfg.anchors_per_seq, lo, hi, gen).to(heldout.tokens.device)

@@ -348,6 +348,7 @@ def train_target(cfg: TargetTrainConfig) -> Path:
     opt = MasterWeights(model, cfg.lr, cfg.weight_decay)
     out.mkdir(parents=True, exist_ok=True)
     run = _restore(model, opt, out) if cfg.resume else _Run(total_steps=cfg.steps)
+    run.total_steps = cfg.steps or run.total_steps  # --steps lengthens (or fixes) a resumed schedule
     log = TrainLog(out / "train_log.json", cfg.resume)
     write_tokenizer(data, out, manifest)
     held = eval_windows(held_tokens, cfg.eval_windows, cfg.seq_len)
