@@ -188,6 +188,14 @@ def log_normalizer(logits: torch.Tensor, *, block: int = NORM_BLOCK) -> torch.Te
     is rescaled to trunc(float64(s_b) float64(exp_nonpositive(m_b - m))) and the int64 results are
     added into S; the normalizer is float32(float64(m) + log_fixed(S)). S >= 2^FRAC_BITS (the largest
     logit's term is exactly 2^FRAC_BITS), so the normalizer is >= m and every log-prob <= 0."""
+    return combine_block_partials(*block_partials(logits, block=block))
+
+
+def block_partials(logits: torch.Tensor, *, block: int = NORM_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first pass of log_normalizer: logits [..., V] -> (m_b [..., nb] float32 block maxima, s_b
+    [..., nb] int64 exact block sums of trunc(exp_nonpositive(x - m_b) 2^FRAC_BITS)), nb = ceil(V /
+    block), the last block padded with -inf. Blocks are independent, so a vocabulary split at multiples
+    of `block` (tensor-parallel shards) gives the same partials shard by shard."""
     if not 0 < block <= 4096:
         raise ValueError(
             f"block: expected 1..4096 (the int64 block sum must stay exact in float64), got {block}"
@@ -197,7 +205,12 @@ def log_normalizer(logits: torch.Tensor, *, block: int = NORM_BLOCK) -> torch.Te
     m_b = x.amax(-1, keepdim=True)
     d = x - torch.where(m_b == float("-inf"), 0.0, m_b)
     s_b = (exp_nonpositive(d) * float(2**FRAC_BITS)).long().sum(-1)
-    m_b = m_b.squeeze(-1)
+    return m_b.squeeze(-1), s_b
+
+
+def combine_block_partials(m_b: torch.Tensor, s_b: torch.Tensor) -> torch.Tensor:
+    """The second pass of log_normalizer: every block sum rescaled to the row max and added exactly in
+    int64, so the order of the blocks does not matter -> [..., 1] float32."""
     m = m_b.amax(-1, keepdim=True)
     s = (s_b.double() * exp_nonpositive(m_b - m).double()).long().sum(-1, keepdim=True)
     return (m.double() + log_fixed(s)).float()
