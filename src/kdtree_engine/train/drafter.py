@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import time
@@ -43,6 +42,7 @@ from kdtree_engine.drafter import (
     save_drafter,
 )
 from kdtree_engine.train.data import load_tokens, read_manifest
+from kdtree_engine.train.schedule import pyplot, warmup_cosine
 
 __all__ = [
     "Batch",
@@ -503,15 +503,12 @@ def learning_rate(cfg: DrafterTrainConfig, step: int, seconds: float = 0.0) -> f
     """The lr of optimizer step `step` (0-based): linear warmup over cfg.warmup_steps, then cosine from
     cfg.lr to min_lr_ratio * cfg.lr over the rest of the budget: the steps after warmup up to
     max_steps, or the fraction of `minutes` spent (`seconds` of training), whichever is further."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = 0.0
     if cfg.max_steps is not None:
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
     if cfg.minutes is not None:
         progress = max(progress, seconds / (60.0 * cfg.minutes))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+    return warmup_cosine(cfg.lr, step, cfg.warmup_steps, progress, cfg.min_lr_ratio)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -674,12 +671,8 @@ def _restore(run: _Run) -> None:
 def plot_losses(log: dict, path: Path) -> None:
     """loss.png: training loss per step, held-out loss and chain acceptance (skipped without
     matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax, acc) = plt.subplots(1, 2, figsize=(10, 4))
     steps = log["steps"]

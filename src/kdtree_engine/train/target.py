@@ -18,7 +18,6 @@ runs. `steps` makes a run repeatable on any machine.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ import torch
 
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.train.data import load_tokens, read_manifest
+from kdtree_engine.train.schedule import pyplot, warmup_cosine
 
 SHARD_SIZE = "15MB"  # the shipped shards stay under 16 MB each
 
@@ -115,10 +115,8 @@ class TargetTrainConfig:
 
 def lr_at(step: int, cfg: TargetTrainConfig, total: int) -> float:
     """Linear warm-up over warmup_steps, then cosine from lr down to lr * min_lr_ratio at `total`."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return warmup_cosine(cfg.lr, step, cfg.warmup_steps, progress, cfg.min_lr_ratio)
 
 
 def batch_windows(tokens: np.ndarray, batch: int, length: int, seed: int, step: int) -> torch.Tensor:
@@ -263,12 +261,8 @@ class TrainLog:
 
 def plot_loss(records: list[dict], path: Path) -> None:
     """Train and held-out loss against step (skipped without matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
