@@ -40,9 +40,14 @@ def _build_kernel(
     L,
     K,
     topk,
+    tok_stride,  # row strides of the outputs (a caller's buffers may be wider than budget)
+    dep_stride,
+    par_stride,
     budget: tl.constexpr,  # the pop loop's bound (constexpr: one compile per budget, as a graph needs)
     CAP: tl.constexpr,
     LP2: tl.constexpr,
+    PAD: tl.constexpr,  # token and depth of unused slots: -1 (DraftTree) or 0 (SGLang's layout)
+    COUNT_ROOT: tl.constexpr,  # cnt_ptr gets the node count plus 1 (the root) when 1
 ):
     b = tl.program_id(0).to(tl.int64)
     lp_row = lp_ptr + b * L * K
@@ -106,14 +111,14 @@ def _build_kernel(
     node_ok = slots < count
     in_budget = slots < budget
     parent = tl.where(node_ok, (nodes >> 32) & mask16, -1)
-    depth = tl.where(node_ok, (nodes >> 16) & mask16, -1)
+    depth = tl.where(node_ok, (nodes >> 16) & mask16, PAD)
     rank = nodes & mask16
-    tokens = tl.load(ids_ptr + b * L * K + (depth - 1) * K + rank, mask=node_ok, other=-1)
-    tl.store(tok_ptr + b * budget + slots, tokens, mask=in_budget)
-    tl.store(dep_ptr + b * budget + slots, depth, mask=in_budget)
-    tl.store(par_ptr + b * (budget + 1) + 1 + slots, parent, mask=in_budget)
-    tl.store(par_ptr + b * (budget + 1), -1)
-    tl.store(cnt_ptr + b, count.to(tl.int64))
+    tokens = tl.load(ids_ptr + b * L * K + (depth - 1) * K + rank, mask=node_ok, other=PAD)
+    tl.store(tok_ptr + b * tok_stride + slots, tokens, mask=in_budget)
+    tl.store(dep_ptr + b * dep_stride + slots, depth, mask=in_budget)
+    tl.store(par_ptr + b * par_stride + 1 + slots, parent, mask=in_budget)
+    tl.store(par_ptr + b * par_stride, -1)
+    tl.store(cnt_ptr + b, count.to(tl.int64) + COUNT_ROOT)
 
 
 def _empty_tree(b: int, budget: int, depth_limit: int, device) -> DraftTree:
@@ -132,28 +137,58 @@ def build_tree(top_logprobs: torch.Tensor, top_ids: torch.Tensor, budget: int) -
 
     Equal to ref.tree.build_tree, ties included. One launch, no host synchronisation.
     """
+    b, depth_limit, _ = top_logprobs.shape
+    tree = _empty_tree(b, budget, depth_limit, top_logprobs.device)
+    build_into(top_logprobs, top_ids, budget, tree.tokens, tree.depths, tree.parents, tree.num_nodes)
+    return tree
+
+
+def build_into(
+    top_logprobs: torch.Tensor,
+    top_ids: torch.Tensor,
+    budget: int,
+    tokens: torch.Tensor,
+    depths: torch.Tensor,
+    parents: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    pad: int = -1,
+    count_root: bool = False,
+) -> None:
+    """build_tree written into given int64 buffers, rows [:B] of tokens/depths [>= B, >= budget],
+    parents [>= B, >= budget + 1] (unit column stride) and counts [>= B]. Unused token and depth slots
+    get `pad`; counts get the node count, plus 1 with count_root (a tree size with its root)."""
     b, depth_limit, k_avail = top_logprobs.shape
     if budget > MAX_BUDGET:
         raise ValueError(f"budget: impl='triton' supports budget <= {MAX_BUDGET}, got {budget}")
     if depth_limit > MAX_DEPTH:
         raise ValueError(f"top_logprobs: impl='triton' supports L <= {MAX_DEPTH}, got {depth_limit}")
-    tree = _empty_tree(b, budget, depth_limit, top_logprobs.device)
-    if b == 0 or budget == 0 or depth_limit == 0:
-        return tree
+    if b == 0:
+        return
+    if budget == 0 or depth_limit == 0:  # no node: padding only, as the kernel would write it
+        tokens[:b, :budget] = pad
+        depths[:b, :budget] = pad
+        parents[:b, : budget + 1] = -1
+        counts[:b] = int(count_root)
+        return
     cap = triton.next_power_of_2(budget)
     _build_kernel[(b,)](
         top_logprobs,
         top_ids,
-        tree.tokens,
-        tree.depths,
-        tree.parents,
-        tree.num_nodes,
+        tokens,
+        depths,
+        parents,
+        counts,
         depth_limit,
         k_avail,
         min(budget, k_avail),
+        tokens.stride(0),
+        depths.stride(0),
+        parents.stride(0),
         budget=budget,
         CAP=cap,
         LP2=triton.next_power_of_2(depth_limit),
+        PAD=pad,
+        COUNT_ROOT=int(count_root),
         num_warps=min(16, max(1, cap // 128)),
     )
-    return tree

@@ -1,7 +1,7 @@
 """Compile a batch of draft trees for verify on the GPU (twin of ref.tree.compile_tree).
 
 Grid (B, row blocks): each program owns RB node rows of one request and every column. A row's
-ancestors are found by walking the parent chain L times (a node's depth is at most L); first child
+ancestors are found by walking the parent chain L times (tree_visibility.ancestor_rows); first child
 and next sibling are column minima of `parents[j] == i` and `parents[j] == parents[i], j > i`.
 """
 
@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.kernels.tree_visibility import ancestor_rows
 from kdtree_engine.tree_types import DraftTree, VerifyInputs
 
 
@@ -44,11 +45,7 @@ def _compile_kernel(
     par_row = par_ptr + b * N
 
     par_rows = tl.load(par_row + rows, mask=real, other=-1)  # [RB]
-    vis = rows[:, None] == cols[None, :]  # [RB, NP]
-    cur = par_rows
-    for _ in range(L):
-        vis = vis | (cur[:, None] == cols[None, :])
-        cur = tl.load(par_row + cur, mask=cur >= 0, other=-1)
+    vis = ancestor_rows(par_row, rows, real, cols, L)  # [RB, NP]; unused rows see themselves
     out2 = b * N * N + rows[:, None] * N + cols[None, :]
     tl.store(vis_out + out2, vis.to(tl.int8), mask=row_ok[:, None] & (cols[None, :] < N))
     if WITH_BITS:
