@@ -42,8 +42,17 @@ def shard_partials(
         raise ValueError(
             f"vocab_start: expected a multiple of {block} (a shard starts on a block), got {vocab_start}"
         )
+    k = min(k, logits.shape[-1])
+    if logits.is_cuda and block == NORM_BLOCK:  # the fused kernel: one pass, no host sync
+        from kdtree_engine.kernels.tree_topk import shard_topk
+
+        lead = logits.shape[:-1]
+        values, ids, block_max, block_sum = shard_topk(logits.reshape(1, -1, logits.shape[-1]), k)
+        values, ids = values.reshape(*lead, k), ids.reshape(*lead, k)
+        block_max, block_sum = block_max.reshape(*lead, -1), block_sum.reshape(*lead, -1)
+        return ShardPartials(values, ids + vocab_start, block_max, block_sum)
     x = logits.float()
-    values, ids = topk_stable(x, min(k, x.shape[-1]))
+    values, ids = topk_stable(x, k)
     block_max, block_sum = block_partials(x, block=block)
     return ShardPartials(values, ids + vocab_start, block_max, block_sum)
 
@@ -57,15 +66,23 @@ def merge_partials(parts: list[ShardPartials], k: int) -> tuple[torch.Tensor, to
         raise ValueError(
             f"k: expected 1..{sum(p.values.shape[-1] for p in parts)} (the shards' top-k), got {k}"
         )
-    values = torch.cat([p.values for p in parts], dim=-1)
-    ids = torch.cat([p.ids for p in parts], dim=-1)
-    by_id = ids.argsort(dim=-1, stable=True)  # topk_stable breaks ties by position: make it the id
-    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
-    top_vals, pos = topk_stable(values, k)
-    norm = combine_block_partials(
-        torch.cat([p.block_max for p in parts], dim=-1), torch.cat([p.block_sum for p in parts], dim=-1)
+    return merge_gathered(
+        torch.cat([p.values for p in parts], dim=-1),
+        torch.cat([p.ids for p in parts], dim=-1),
+        torch.cat([p.block_max for p in parts], dim=-1),
+        torch.cat([p.block_sum for p in parts], dim=-1),
+        k,
     )
-    return top_vals - norm, ids.gather(-1, pos)
+
+
+def merge_gathered(values, ids, block_max, block_sum, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """merge_partials on the concatenated partials of every shard, in vocabulary order (what an
+    all-gather gives): values / ids [..., n], block_max / block_sum [..., nb]. Sort-based, so no host
+    synchronisation: in that order equal values already stand in id order (each shard's are, and a
+    later shard's ids are larger), which a stable sort keeps."""
+    top_vals, pos = torch.sort(values, dim=-1, descending=True, stable=True)
+    top_vals, pos = top_vals[..., :k], pos[..., :k]
+    return top_vals - combine_block_partials(block_max, block_sum), ids.gather(-1, pos)
 
 
 def check_shards(sizes: list[int], *, block: int = NORM_BLOCK) -> None:

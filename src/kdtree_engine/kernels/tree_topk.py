@@ -301,7 +301,7 @@ def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, key
                    NBP: tl.constexpr, MAXG: tl.constexpr, GW: tl.constexpr, KP: tl.constexpr,
                    KC: tl.constexpr, KS: tl.constexpr, TG: tl.constexpr, TGM: tl.constexpr, HT: tl.constexpr,
                    SHIFT: tl.constexpr, NPASS: tl.constexpr, DB: tl.constexpr,
-                   EMULATE: tl.constexpr):  # fmt: skip
+                   EMULATE: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
     """The select of one row, after _partials_kernel. T0 = the k-th largest super-group max is a lower
     bound of the k-th largest logit (the k best super groups each hold a logit >= T0), found by
     bisection over NS values on keys shifted right by SHIFT (the low float32 bits that bf16 / fp16
@@ -309,9 +309,13 @@ def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, key
     over the group maxima in TGM-wide tiles lists those groups (about k for smooth logits); their
     logits >= T0 are compacted as int64 keys (<= KC) and sorted. More than MAXG groups or KC logits
     (ties, or top logits crowded into few groups) -> _exact_select, whose work does not depend on V
-    (RS = groups per super group). Scratch: glist [R, GW] int32, keys [R, KS] int64."""
+    (RS = groups per super group). Scratch: glist [R, GW] int32, keys [R, KS] int64. RAW: write the
+    logits themselves (no normalizer), for a vocabulary shard whose normalizer is combined later."""
     row = tl.program_id(0).to(tl.int64)
-    lse = _normalizer(bmax_ptr, bsum_ptr, row, NB, NBP, EMULATE)
+    if RAW:
+        lse = 0.0
+    else:
+        lse = _normalizer(bmax_ptr, bsum_ptr, row, NB, NBP, EMULATE)
     sidx = tl.arange(0, NSP)
     skey = _ordered32(tl.load(smax_ptr + row * NS + sidx, mask=sidx < NS, other=float("-inf")))
     lo_key: tl.constexpr = -(1 << 31)
@@ -372,12 +376,30 @@ def logits_topk(logits: torch.Tensor, k: int, **knobs) -> tuple[torch.Tensor, to
     return lp, ids
 
 
-def topk_launches(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, group: int | None = None,
-                  super_group: int | None = None, max_groups: int | None = None,
-                  max_compact: int | None = None, partial_warps: int = 1, select_warps: int | None = None,
-                  select_maxnreg: int | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple]:  # fmt: skip
+def shard_topk(logits: torch.Tensor, k: int, **knobs) -> tuple[torch.Tensor, ...]:
+    """A vocabulary shard's part of the tensor-parallel top-k (integrations.sharded_topk): logits
+    [B, L, Vs] -> (values [B, L, k] float32 logits, ids [B, L, k] int64 shard-local, block_max
+    [B * L, nb] float32, block_sum [B * L, nb] int64), equal to ref.tree.topk_stable and
+    ref.tree.block_partials of the shard (the normalizer's first pass, block = ref.NORM_BLOCK)."""
+    values, ids, launches, bmax, bsum = _topk_plan(logits, k, raw=True, **knobs)
+    for launch in launches:
+        launch()
+    return values, ids, bmax, bsum
+
+
+def topk_launches(logits: torch.Tensor, k: int, **knobs) -> tuple[torch.Tensor, torch.Tensor, tuple]:
     """The output buffers of logits_topk and its two launches as closures (the partials, then the
-    select), so that each launch can be timed alone (scripts/probe_topk.py).
+    select), so that each launch can be timed alone (scripts/probe_topk.py). Knobs: see _topk_plan."""
+    lp, ids, launches, _, _ = _topk_plan(logits, k, **knobs)
+    return lp, ids, launches
+
+
+def _topk_plan(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, group: int | None = None,
+               super_group: int | None = None, max_groups: int | None = None, max_compact: int | None = None,
+               partial_warps: int = 1, select_warps: int | None = None, select_maxnreg: int | None = None,
+               raw: bool = False) -> tuple:  # fmt: skip
+    """Buffers and launches of the top-k: (lp or raw values, ids, (partials, select), block maxima,
+    block sums); raw=True leaves the normalizer out of the values.
 
     Knobs (tests shrink them to reach the exact path at small shapes; max_groups=1 sends every row
     there when k >= 2 and V > G): block (logits per partials program, a power of two; the normalizer's
@@ -400,7 +422,7 @@ def topk_launches(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, 
     lp = torch.empty((b, depth, k), dtype=torch.float32, device=dev)
     ids = torch.empty((b, depth, k), dtype=torch.int64, device=dev)
     if rows == 0:
-        return lp, ids, ()
+        return lp, ids, (), None, None
     chunk = max(group, min(block, triton.next_power_of_2(vocab)))  # one block: a shorter tile suffices
     sup = min(chunk, max(group, super_group or (64 if interpreting else 1024)))
     n_groups, n_sup, n_blocks = triton.cdiv(vocab, group), triton.cdiv(vocab, sup), triton.cdiv(vocab, chunk)
@@ -430,5 +452,5 @@ def topk_launches(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, 
                        G=group, S=sup, EMULATE=interpreting, num_warps=partial_warps,
                        enable_fp_fusion=False)  # fmt: skip
     select = partial(_select_kernel[(rows,)], *head, glist, keys, lp, ids, vocab, n_groups, n_sup, n_blocks,
-                     k, **sizes, num_warps=select_warps, enable_fp_fusion=False)  # fmt: skip
-    return lp, ids, (partials, select)
+                     k, **sizes, RAW=raw, num_warps=select_warps, enable_fp_fusion=False)  # fmt: skip
+    return lp, ids, (partials, select), bmax, bsum
