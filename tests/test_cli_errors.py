@@ -437,3 +437,15 @@ def test_help_shows_every_default(capsys):
         rc, out, _ = _run(capsys, *argv)
         out = " ".join(out.split())  # argparse wraps the help
         assert rc == 0 and all(s in out for s in shown), (argv, out)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the error is for machines without CUDA")
+def test_bench_sglang_without_cuda_is_one_line(capsys):
+    rc, _, err = _run(capsys, "bench", "sglang", "--batch", "1")
+    assert rc == 2 and "device" in _one_line(err)
+
+
+def test_bench_sglang_without_the_port_is_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    rc, _, err = _run(capsys, "bench", "sglang", "--port", str(tmp_path))
+    assert rc == 2 and "path" in _one_line(err)

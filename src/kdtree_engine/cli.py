@@ -24,6 +24,7 @@ BENCHMARKS = {
     "tree": ("kdtree_engine.bench.tree", "GPU tree build/compile/accept against CPU builders"),
     "attention": ("kdtree_engine.bench.attention", "tree-verify MLA attention against naive torch"),
     "e2e": ("kdtree_engine.bench.e2e", "whole generation runs: autoregressive, DFlash and DDTree"),
+    "sglang": ("kdtree_engine.bench.sglang", "the SGLang DDTree port's tree path against our drop-in"),
 }
 TRAINING = {
     "data": ("kdtree_engine.train.data", "prepare the kimi-nano corpus and tokenizer (Python stdlib source)"),

@@ -174,12 +174,9 @@ class SglangTriton:
         self.input_ids, self.positions = torch.empty(batch, n, **i64), torch.empty(batch, n, **i64)
 
     def topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = logits.reshape(-1, logits.shape[-1]).float()
-        m = x.amax(dim=-1)
-        log_z = m + torch.log(torch.exp(x - m[:, None]).sum(dim=-1).clamp_min(1e-38))
-        values, ids = torch.topk(x, min(self.budget, x.shape[-1]), dim=-1)
+        lp, ids = _port_worker_topk(logits.reshape(-1, logits.shape[-1]), min(self.budget, logits.shape[-1]))
         shape = (*logits.shape[:2], -1)
-        return (values - log_z[:, None]).view(shape), ids.view(shape)
+        return lp.view(shape), ids.view(shape)
 
     def build(self, lp: torch.Tensor, ids: torch.Tensor) -> None:
         self.module.build_ddtree_tree_triton(
@@ -213,3 +210,33 @@ def token_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
     for i, token in enumerate(tokens, 1):
         paths.append(paths[parents[i]] + (token,))
     return set(paths[1:])
+
+
+PORT_KERNELS = "sglang.kernels.ops.speculative.ddtree"
+
+
+def load_sglang_port(path: str | Path) -> types.SimpleNamespace:
+    """The SGLang DDTree port's tree path as its worker calls it: `utils` (its ddtree_utils.py, whose
+    GPU functions import their Triton kernels from `sglang.kernels.ops.speculative.ddtree`) and `kernels`
+    (that module, from the checkout, registered under its own name for them, with empty parent
+    packages where no SGLang is installed) and `topk(logits [T, V], k)`: its worker's draft top-k on one
+    rank (float32 logits, log Z = max + log(sum(exp(x - max))), torch.topk)."""
+    root = Path(path)
+    for f in (SGLANG_FILE, SGLANG_TRITON_FILE):
+        if not (root / f).is_file():
+            raise ValueError(f"path: no {f} under {path} (scripts/fetch_peers.sh puts the SGLang DDTree port there)")
+    kernels = _exec_file(root / SGLANG_TRITON_FILE, PORT_KERNELS, {}, stable_topk=False)
+    parts = PORT_KERNELS.split(".")
+    for i in range(1, len(parts)):
+        sys.modules.setdefault(".".join(parts[:i]), _stub_module(".".join(parts[:i])))
+    sys.modules[PORT_KERNELS] = kernels
+    utils = _exec_file(root / SGLANG_FILE, "_sglang_port_ddtree_utils", {}, stable_topk=False)
+    return types.SimpleNamespace(utils=utils, kernels=kernels, topk=_port_worker_topk)
+
+
+def _port_worker_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.float()
+    m = x.amax(dim=-1)
+    log_z = m + torch.log(torch.exp(x - m[:, None]).sum(dim=-1).clamp_min(1e-38))
+    values, ids = torch.topk(x, k, dim=-1)
+    return values - log_z[:, None], ids

@@ -24,7 +24,7 @@ def _pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([x, pad], dim=-1)
 
 
-def _whole_vocab_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_vocab_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, V] -> ([T, topk] float32 log-probs, [T, topk] int64 ids); columns past V hold -inf / 0
     (the port's padding when topk > V)."""
     k = min(topk, logits.shape[-1])
@@ -66,7 +66,7 @@ def draft_topk(
         hidden_states = hidden_states.to(weight.dtype)
     logits = torch.mm(hidden_states, weight.t())
     if group is None or group.world_size == 1:
-        lp, ids = _whole_vocab_topk(logits, topk)
+        lp, ids = whole_vocab_topk(logits, topk)
         return lp, ids + vocab_start
     if vocab_start % NORM_BLOCK:
         raise ValueError(f"vocab_start: a shard must start on a multiple of {NORM_BLOCK} tokens, got {vocab_start}")

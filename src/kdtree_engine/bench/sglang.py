@@ -1,0 +1,223 @@
+"""`kdtree-engine bench sglang`: the SGLang DDTree port's tree path against our drop-in, same run.
+
+Both sides are called as the port's worker calls them, with its buffers, on the same inputs per
+(batch B, budget): bf16 draft logits [B * L, V] (the vocab matmul's output), target argmax tokens and
+target probabilities [B, budget + 1, V]. Stages:
+- topk: the worker's draft top-k on one rank (port: float32 copy, max, exp-sum, torch.topk; ours:
+  integrations.sglang.topk.whole_vocab_topk, the fused kernel);
+- build: build_ddtree_tree_gpu from the same top-k (the port's: its Triton heap);
+- compile: compile_ddtree_tree for an attention backend that reads `visibility` (no packed mask);
+- follow: follow_verified_tree_gpu from the target's argmax tokens (greedy verify);
+- sample: sample_ddtree_target_probs_gpu from the target's probabilities (sampled verify);
+- greedy path: topk + build + compile + follow, each side on its own outputs (one call chain).
+Times: eager calls as the worker makes them (host launch costs included), `--iters` back-to-back
+calls between two CUDA events, median of `--reps`; ratios port / ours from the same run. "same trees":
+requests whose tree (tokens and parents) the port builds equal to ours from the same top-k (it is not
+exact on ties; ours equals the official builder, as the tests check). "saved/round" is what one
+decoding round of the greedy path saves at this batch, budget and vocabulary (per tensor-parallel rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from kdtree_engine.bench.plot import markdown_table, plot_series
+
+STAGES = ("topk", "build", "compile", "follow", "sample", "greedy path")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", default=".peers/sglang", help="checkout of the SGLang DDTree port")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32, 64], help="batch sizes B")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--depth", type=int, default=15, help="draft block length L (Kimi DFlash: 15)")
+    parser.add_argument("--vocab", type=int, default=163840, help="vocabulary size V (Kimi-K2: 163840)")
+    parser.add_argument("--iters", type=int, default=10, help="calls between two CUDA events")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
+    parser.add_argument("--no-sample", action="store_true", help="skip the sampled verify stage")
+    parser.add_argument("--out", default="out/bench_sglang", help="directory for the table, plot and json")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def eager_us(fn, iters: int, reps: int) -> float:
+    """Median microseconds per call of fn over `reps` runs of `iters` back-to-back calls (after warm-up)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0 / iters)
+    return statistics.median(times)
+
+
+class Side:
+    """One implementation's tree path (`fns`: the port's ddtree_utils or our integrations.sglang) with
+    the port worker's buffers for (B, budget)."""
+
+    def __init__(self, fns, topk, b: int, budget: int, device: torch.device):
+        self.fns, self.topk_fn, self.b, self.budget = fns, topk, b, budget
+        n, cap = budget + 1, 1 << (2 * budget + 3).bit_length()
+        i64 = dict(dtype=torch.int64, device=device)
+        self.tree = dict(
+            _out_node_token_ids=torch.zeros(b, budget, **i64), _out_node_depths=torch.zeros(b, budget, **i64),
+            _out_parents=torch.full((b, n), -1, **i64),
+            _out_visibility=torch.zeros(b, n, n, dtype=torch.bool, device=device),
+            _out_actual_tree_sizes=torch.zeros(b, **i64),
+            _heap_scores=torch.empty(b, cap, dtype=torch.float64, device=device),
+            _heap_parents=torch.empty(b, cap, dtype=torch.int32, device=device),
+            _heap_depths=torch.empty(b, cap, dtype=torch.int32, device=device),
+            _heap_ranks=torch.empty(b, cap, dtype=torch.int32, device=device),
+        )  # fmt: skip
+        self.ids_buf, self.pos_buf = torch.empty(b * n, **i64), torch.empty(b * n, **i64)
+        self.follow_bufs = dict(accepted_indices=torch.empty(b, n, **i64), accepted_token_ids=torch.empty(b, n, **i64),
+                                accepted_lens=torch.empty(b, **i64), next_tokens=torch.empty(b, **i64))  # fmt: skip
+        self.sample_bufs = dict(
+            uniform_samples=torch.empty(b, n, dtype=torch.float32, device=device),
+            uniform_final=torch.empty(b, dtype=torch.float32, device=device),
+            reject_indices=torch.empty(b, **i64), reject_child_tokens=torch.empty(b, n, **i64),
+            reject_child_counts=torch.empty(b, **i64), **{k: torch.empty_like(v) for k, v in self.follow_bufs.items()},
+        )  # fmt: skip
+        self.lp = self.ids = self.built = self.verify = None
+
+    def topk(self, logits: torch.Tensor) -> None:
+        lp, ids = self.topk_fn(logits, min(self.budget, logits.shape[-1]))
+        self.lp, self.ids = lp.view(self.b, -1, lp.shape[-1]), ids.view(self.b, -1, ids.shape[-1])
+
+    def build(self, lp=None, ids=None) -> None:
+        self.built = self.fns.build_ddtree_tree_gpu(
+            draft_top_log_probs=self.lp if lp is None else lp, draft_top_token_ids=self.ids if ids is None else ids,
+            tree_budget=self.budget, device=self.ids_buf.device, **self.tree,
+        )  # fmt: skip
+
+    def compile(self, roots: torch.Tensor, starts: torch.Tensor) -> None:
+        tokens, depths, _, _, vis, sizes, sizes_cpu = self.built
+        self.verify = self.fns.compile_ddtree_tree(
+            roots, tokens, depths, vis, starts, starts, self.budget, sizes, roots.device,
+            past_lens_cpu=None, actual_sizes_cpu=sizes_cpu, build_attention_mask=False,
+            _out_verify_input_ids=self.ids_buf, _out_verify_position_ids=self.pos_buf,
+        )  # fmt: skip
+
+    def follow(self, target_predict: torch.Tensor):
+        return self.fns.follow_verified_tree_gpu(
+            draft_tokens=self.verify[0], target_predict=target_predict, parents=self.built[2],
+            actual_tree_sizes=self.built[5], **self.follow_bufs,
+        )  # fmt: skip
+
+    def sample(self, probs: torch.Tensor):
+        return self.fns.sample_ddtree_target_probs_gpu(
+            target_probs=probs, draft_tokens=self.verify[0], parents=self.built[2],
+            actual_tree_sizes=self.built[5], **self.sample_bufs,
+        )  # fmt: skip
+
+    def greedy_path(self, logits, roots, starts, target_predict):
+        self.topk(logits)
+        self.build()
+        self.compile(roots, starts)
+        return self.follow(target_predict)
+
+
+def same_trees(port: Side, ours: Side) -> int:
+    """Requests whose tree (tokens, parents) the port built equal to ours from the same top-k."""
+    ours.build(port.lp, port.ids)
+    port.build()
+    same = (port.built[0] == ours.built[0]).all(-1) & (port.built[2] == ours.built[2]).all(-1)
+    return int(same.sum())
+
+
+def bench_config(port: Side, ours: Side, inputs: dict, args) -> dict:
+    logits, roots, starts, target, probs = (inputs[k] for k in ("logits", "roots", "starts", "target", "probs"))
+
+    def timed(fn) -> float:
+        return eager_us(fn, args.iters, args.reps)
+
+    row = {"batch": port.b, "budget": port.budget}
+    for name, side in (("port", port), ("ours", ours)):
+        side.greedy_path(logits, roots, starts, target)
+        row[f"{name} topk"] = timed(lambda s=side: s.topk(logits))
+        row[f"{name} build"] = timed(lambda s=side: s.build(port.lp, port.ids))
+        row[f"{name} compile"] = timed(lambda s=side: s.compile(roots, starts))
+        row[f"{name} follow"] = timed(lambda s=side: s.follow(target))
+        if probs is not None:
+            row[f"{name} sample"] = timed(lambda s=side: s.sample(probs))
+        row[f"{name} greedy path"] = timed(lambda s=side: s.greedy_path(logits, roots, starts, target))
+    row["same trees"] = same_trees(port, ours)
+    return row
+
+
+def make_inputs(b: int, budget: int, args, device, gen: torch.Generator) -> dict:
+    n = budget + 1
+    logits = (torch.randn(b * args.depth, args.vocab, generator=gen) * 2).bfloat16().to(device)
+    target = torch.randint(0, args.vocab, (b, n), generator=gen).to(device)
+    probs = None
+    if not args.no_sample:
+        probs = torch.softmax(torch.randn(b, n, args.vocab, device=device) * 2, dim=-1)
+    starts = torch.randint(100, 4000, (b,), generator=gen).to(device)
+    roots = torch.randint(0, args.vocab, (b,), generator=gen).to(device)
+    return dict(logits=logits, roots=roots, starts=starts, target=target, probs=probs)
+
+
+def report(rows: list[dict], header: str, out: Path) -> str:
+    stages = [s for s in STAGES if f"port {s}" in rows[0]]
+    heads = ["B", "budget"] + [f"{s} port / ours us (x)" for s in stages] + ["saved/round us", "same trees"]
+    table = []
+    for r in rows:
+        cells = [r["batch"], r["budget"]]
+        for s in stages:
+            p, o = r[f"port {s}"], r[f"ours {s}"]
+            cells.append(f"{p:.1f} / {o:.1f} ({p / o:.1f}x)")
+        cells += [r["port greedy path"] - r["ours greedy path"], f"{r['same trees']}/{r['batch']}"]
+        table.append(cells)
+    text = header + "\n\n" + markdown_table(heads, table) + "\n"
+    labels = [f"B{r['batch']} n{r['budget']}" for r in rows]
+    series = {f"{s} (port / ours)": [r[f"port {s}"] / r[f"ours {s}"] for r in rows] for s in stages}
+    if plot_series(out / "sglang_bench.png", "SGLang DDTree port / kdtree-engine drop-in (speedup)", labels, series,
+                   ylabel="port time / our time"):  # fmt: skip
+        text += "\n![speedups](sglang_bench.png)\n"
+    return text
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError("device: bench sglang runs the port's Triton kernels, which need a CUDA GPU")
+    from kdtree_engine.bench.peers import load_sglang_port
+    from kdtree_engine.integrations import sglang as ours_fns
+    from kdtree_engine.integrations.sglang.topk import whole_vocab_topk
+
+    port = load_sglang_port(args.port)
+    device = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (
+        f"SGLang DDTree port vs kdtree-engine drop-in, L={args.depth}, V={args.vocab}, bf16 draft logits: "
+        f"{torch.cuda.get_device_name(device)}, {stamp}\n\n"
+        f"command: kdtree-engine bench sglang {' '.join(sys.argv[3:])}".rstrip()
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for b in args.batch:
+        for budget in args.budgets:
+            inputs = make_inputs(b, budget, args, device, gen)
+            sides = Side(port.utils, port.topk, b, budget, device), Side(ours_fns, whole_vocab_topk, b, budget, device)
+            rows.append(bench_config(*sides, inputs, args))
+            print(json.dumps(rows[-1]), flush=True)
+            del inputs, sides
+            torch.cuda.empty_cache()
+    text = report(rows, header, out)
+    (out / "sglang_bench.md").write_text(text)
+    (out / "sglang_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    print(text)
+    return 0
