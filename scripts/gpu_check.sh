@@ -4,7 +4,8 @@
 # packed into $OUT/results.tgz: device.txt, gpu_tests.log, model_gpu.txt, engine_gpu.txt, the engine
 # demo log, and each benchmark's log, table (.md) and plot (.png).
 # Arguments: "tests" or "bench" to run one half only; "e2e" runs `kdtree-engine bench e2e` alone (about
-# 4 minutes: it does not fit beside the rest in one 600 s device call). A checkout of liranringel/ddtree at
+# 4 minutes: it does not fit beside the rest in one 600 s device call); "sglang" runs the SGLang drop-in's
+# GPU tests against the port at .peers/sglang, then `kdtree-engine bench sglang`. A checkout of liranringel/ddtree at
 # .peers/ddtree (git-ignored) adds the official builder to the tree benchmark, and an SGLang checkout
 # (or just its python/sglang/srt/speculative/ddtree_utils.py) at .peers/sglang adds SGLang's builder.
 set -uo pipefail
@@ -24,6 +25,14 @@ T_TESTS=${T_TESTS:-300} T_DEMO=${T_DEMO:-25} T_TREE=${T_TREE:-70} T_ATTN=${T_ATT
 # pytest-xdist, where installed, spreads the Triton compiles of the GPU sweep over the CPU cores.
 xdist=()
 python3 -c 'import xdist' 2>/dev/null && xdist=(-n 12)
+if [ "$what" = sglang ]; then
+  KDTREE_SGLANG_PORT=.peers/sglang timeout "${T_SGT:-200}" python3 -m pytest -q tests/integrations \
+    -p no:cacheprovider "${xdist[@]}" -rs --durations=8 2>&1 | tee "$R/sglang_tests.log" | tail -30 || status=1
+  timeout "${T_SGLANG:-330}" python3 -m kdtree_engine bench sglang --out "$R/sglang" 2>&1 \
+    | tee "$R/bench_sglang.log" | tail -40 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
 if [ "$what" = e2e ]; then
   timeout "${T_E2E:-400}" python3 -m kdtree_engine bench e2e --out "$R/e2e" 2>&1 | tee "$R/bench_e2e.log" \
     | tail -40 || status=1

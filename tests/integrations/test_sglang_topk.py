@@ -65,11 +65,12 @@ def test_one_rank_is_logits_to_topk(ties, topk):
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 @pytest.mark.parametrize("ties", [False, True])
-def test_ranks_merge_to_the_whole_vocabulary(world, ties):
+def test_ranks_merge_to_the_whole_vocabulary(world, ties, device):
+    """On CUDA every rank runs the fused kernel (shard mode, or whole-vocabulary for one rank)."""
     h, w = inputs(world, 5, 8 * 2048, ties)
     want_lp, want_ids = ref_tree.logits_to_topk((h @ w.t()).unsqueeze(0), 32)
-    for lp, ids in run_ranks(h, w, 32, world):
-        assert torch.equal(ids, want_ids[0]) and torch.equal(lp, want_lp[0])
+    for lp, ids in run_ranks(h.to(device), w.to(device), 32, world):
+        assert torch.equal(ids.cpu(), want_ids[0]) and torch.equal(lp.cpu(), want_lp[0])
 
 
 def test_topk_larger_than_the_vocabulary_pads_like_the_port():
