@@ -1,4 +1,4 @@
-"""The SGLang DDTree port's own code, from a checkout named by KDTREE_SGLANG_PORT (never vendored here):
+"""The SGLang DDTree port's own code, from a checkout named by KDTREE_SGLANG_DDTREE (never vendored here):
 tests that compare with it are skipped when the variable is unset."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from kdtree_engine.bench.peers import SGLANG_FILE, SGLANG_TRITON_FILE, _exec_file
 
-ENV = "KDTREE_SGLANG_PORT"
+ENV = "KDTREE_SGLANG_DDTREE"
 
 
 def port_dir() -> Path:

@@ -3,7 +3,7 @@
 Two ways, both calling `install()`:
 - the plug-in: kdtree-engine declares `kdtree_ddtree = kdtree_engine.integrations.sglang.plugin:load`
   in SGLang's `sglang.srt.plugins` entry-point group; SGLang runs `load()` in every process it starts,
-  and `load()` installs when the environment has KDTREE_SGLANG_DDTREE=1 (else it does nothing, so that
+  and `load()` installs when the environment has KDTREE_ENGINE_SGLANG=1 (else it does nothing, so that
   merely installing kdtree-engine changes nothing);
 - one line before SGLang starts: `import kdtree_engine.integrations.sglang as k; k.install()`.
 
@@ -27,7 +27,7 @@ WORKERS = ("sglang.srt.speculative.ddtree_worker_v2", "sglang.srt.speculative.dd
 FUNCTIONS = ("build_ddtree_tree_gpu", "compile_ddtree_tree", "follow_verified_tree_gpu",
              "sample_ddtree_target_probs_gpu")  # fmt: skip
 METHOD = "_compute_draft_topk_log_probs_and_token_ids"
-ENV = "KDTREE_SGLANG_DDTREE"
+ENV = "KDTREE_ENGINE_SGLANG"
 
 
 def _ours() -> dict:
@@ -71,15 +71,19 @@ def _rebind_imported(originals: dict, ours: dict) -> list[str]:
     return rebound
 
 
-def _patch_workers() -> list[str]:
-    """The draft top-k method on every loaded speculative class that defines it."""
-    from kdtree_engine.integrations.sglang.topk import compute_draft_topk_log_probs_and_token_ids
-
+def _import_workers() -> None:
+    """The worker modules, imported before the swap so that their imported names are rebound (and listed)."""
     for name in WORKERS:
         try:
             importlib.import_module(name)
         except ImportError:
             pass  # a port without this worker
+
+
+def _patch_workers() -> list[str]:
+    """The draft top-k method on every loaded speculative class that defines it."""
+    from kdtree_engine.integrations.sglang.topk import compute_draft_topk_log_probs_and_token_ids
+
     patched = []
     for mod_name, module in list(sys.modules.items()):
         if not mod_name.startswith("sglang.srt.speculative.") or module is None:
@@ -100,6 +104,7 @@ def install() -> list[str]:
         raise ValueError(f"{UTILS}: cannot import the SGLang DDTree port ({PORT_CHECKED}): {exc}") from exc
     ours = _ours()
     _check_port(utils, ours)
+    _import_workers()
     originals = {name: getattr(utils, name) for name in FUNCTIONS}
     for name, fn in ours.items():
         setattr(utils, name, fn)
@@ -108,7 +113,7 @@ def install() -> list[str]:
 
 
 def load() -> None:
-    """SGLang's plug-in hook: install() when KDTREE_SGLANG_DDTREE=1, else nothing."""
+    """SGLang's plug-in hook: install() when KDTREE_ENGINE_SGLANG=1, else nothing."""
     if os.environ.get(ENV) == "1":
         replaced = install()
         print(f"kdtree-engine: DDTree tree path installed ({len(replaced)} replacements)", file=sys.stderr)
