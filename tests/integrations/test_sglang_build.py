@@ -41,7 +41,13 @@ def run(lp, ids, budget, bufs, fn=B.build_ddtree_tree_gpu):
     return fn(draft_top_log_probs=lp, draft_top_token_ids=ids, tree_budget=budget, device=lp.device, **bufs)
 
 
-OUTS = ("_out_node_token_ids", "_out_node_depths", "_out_parents", "_out_visibility", "_out_actual_tree_sizes")
+OUTS = (
+    "_out_node_token_ids",
+    "_out_node_depths",
+    "_out_parents",
+    "_out_visibility",
+    "_out_actual_tree_sizes",
+)
 CASES = [(1, 1, 1), (3, 4, 7), (2, 15, 16), (2, 6, 33), (5, 3, 8), (2, 4, 0), (1, 16, 64)]
 
 
@@ -92,7 +98,10 @@ def test_masked_tokens_make_a_short_tree(device):
         (lambda a: a.update(tree_budget=-1), "tree_budget"),
         (lambda a: a.update(_out_parents=a["_out_parents"][:, :3]), "_out_parents"),
         (lambda a: a.update(_out_visibility=a["_out_visibility"].long()), "_out_visibility"),
-        (lambda a: a.update(_out_actual_tree_sizes=a["_out_actual_tree_sizes"][:1]), "_out_actual_tree_sizes"),
+        (
+            lambda a: a.update(_out_actual_tree_sizes=a["_out_actual_tree_sizes"][:1]),
+            "_out_actual_tree_sizes",
+        ),
     ],
 )
 def test_bad_arguments_are_named(change, name):

@@ -117,7 +117,8 @@ def test_entry_point_is_declared():
 
 
 def test_signatures_match_the_port():
-    """Our four tree-path functions take exactly the port's parameters (its checkout when KDTREE_SGLANG_DDTREE is set)."""
+    """Our four tree-path functions take exactly the port's parameters (from its checkout:
+    KDTREE_SGLANG_DDTREE)."""
     path = os.environ.get("KDTREE_SGLANG_DDTREE")
     if not path:
         pytest.skip("KDTREE_SGLANG_DDTREE does not name a checkout of the SGLang DDTree port")

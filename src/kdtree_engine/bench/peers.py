@@ -224,7 +224,9 @@ def load_sglang_port(path: str | Path) -> types.SimpleNamespace:
     root = Path(path)
     for f in (SGLANG_FILE, SGLANG_TRITON_FILE):
         if not (root / f).is_file():
-            raise ValueError(f"path: no {f} under {path} (scripts/fetch_peers.sh puts the SGLang DDTree port there)")
+            raise ValueError(
+                f"path: no {f} under {path} (scripts/fetch_peers.sh puts the SGLang DDTree port there)"
+            )
     kernels = _exec_file(root / SGLANG_TRITON_FILE, PORT_KERNELS, {}, stable_topk=False)
     parts = PORT_KERNELS.split(".")
     for i in range(1, len(parts)):

@@ -72,7 +72,8 @@ class Side:
         n, cap = budget + 1, 1 << (2 * budget + 3).bit_length()
         i64 = dict(dtype=torch.int64, device=device)
         self.tree = dict(
-            _out_node_token_ids=torch.zeros(b, budget, **i64), _out_node_depths=torch.zeros(b, budget, **i64),
+            _out_node_token_ids=torch.zeros(b, budget, **i64),
+            _out_node_depths=torch.zeros(b, budget, **i64),
             _out_parents=torch.full((b, n), -1, **i64),
             _out_visibility=torch.zeros(b, n, n, dtype=torch.bool, device=device),
             _out_actual_tree_sizes=torch.zeros(b, **i64),
@@ -80,16 +81,22 @@ class Side:
             _heap_parents=torch.empty(b, cap, dtype=torch.int32, device=device),
             _heap_depths=torch.empty(b, cap, dtype=torch.int32, device=device),
             _heap_ranks=torch.empty(b, cap, dtype=torch.int32, device=device),
-        )  # fmt: skip
+        )
         self.ids_buf, self.pos_buf = torch.empty(b * n, **i64), torch.empty(b * n, **i64)
-        self.follow_bufs = dict(accepted_indices=torch.empty(b, n, **i64), accepted_token_ids=torch.empty(b, n, **i64),
-                                accepted_lens=torch.empty(b, **i64), next_tokens=torch.empty(b, **i64))  # fmt: skip
+        self.follow_bufs = dict(
+            accepted_indices=torch.empty(b, n, **i64),
+            accepted_token_ids=torch.empty(b, n, **i64),
+            accepted_lens=torch.empty(b, **i64),
+            next_tokens=torch.empty(b, **i64),
+        )
         self.sample_bufs = dict(
             uniform_samples=torch.empty(b, n, dtype=torch.float32, device=device),
             uniform_final=torch.empty(b, dtype=torch.float32, device=device),
-            reject_indices=torch.empty(b, **i64), reject_child_tokens=torch.empty(b, n, **i64),
-            reject_child_counts=torch.empty(b, **i64), **{k: torch.empty_like(v) for k, v in self.follow_bufs.items()},
-        )  # fmt: skip
+            reject_indices=torch.empty(b, **i64),
+            reject_child_tokens=torch.empty(b, n, **i64),
+            reject_child_counts=torch.empty(b, **i64),
+            **{k: torch.empty_like(v) for k, v in self.follow_bufs.items()},
+        )
         self.lp = self.ids = self.built = self.verify = None
 
     def topk(self, logits: torch.Tensor) -> None:
@@ -98,29 +105,49 @@ class Side:
 
     def build(self, lp=None, ids=None) -> None:
         self.built = self.fns.build_ddtree_tree_gpu(
-            draft_top_log_probs=self.lp if lp is None else lp, draft_top_token_ids=self.ids if ids is None else ids,
-            tree_budget=self.budget, device=self.ids_buf.device, **self.tree,
-        )  # fmt: skip
+            draft_top_log_probs=self.lp if lp is None else lp,
+            draft_top_token_ids=self.ids if ids is None else ids,
+            tree_budget=self.budget,
+            device=self.ids_buf.device,
+            **self.tree,
+        )
 
     def compile(self, roots: torch.Tensor, starts: torch.Tensor) -> None:
         tokens, depths, _, _, vis, sizes, sizes_cpu = self.built
         self.verify = self.fns.compile_ddtree_tree(
-            roots, tokens, depths, vis, starts, starts, self.budget, sizes, roots.device,
-            past_lens_cpu=None, actual_sizes_cpu=sizes_cpu, build_attention_mask=False,
-            _out_verify_input_ids=self.ids_buf, _out_verify_position_ids=self.pos_buf,
-        )  # fmt: skip
+            roots,
+            tokens,
+            depths,
+            vis,
+            starts,
+            starts,
+            self.budget,
+            sizes,
+            roots.device,
+            past_lens_cpu=None,
+            actual_sizes_cpu=sizes_cpu,
+            build_attention_mask=False,
+            _out_verify_input_ids=self.ids_buf,
+            _out_verify_position_ids=self.pos_buf,
+        )
 
     def follow(self, target_predict: torch.Tensor):
         return self.fns.follow_verified_tree_gpu(
-            draft_tokens=self.verify[0], target_predict=target_predict, parents=self.built[2],
-            actual_tree_sizes=self.built[5], **self.follow_bufs,
-        )  # fmt: skip
+            draft_tokens=self.verify[0],
+            target_predict=target_predict,
+            parents=self.built[2],
+            actual_tree_sizes=self.built[5],
+            **self.follow_bufs,
+        )
 
     def sample(self, probs: torch.Tensor):
         return self.fns.sample_ddtree_target_probs_gpu(
-            target_probs=probs, draft_tokens=self.verify[0], parents=self.built[2],
-            actual_tree_sizes=self.built[5], **self.sample_bufs,
-        )  # fmt: skip
+            target_probs=probs,
+            draft_tokens=self.verify[0],
+            parents=self.built[2],
+            actual_tree_sizes=self.built[5],
+            **self.sample_bufs,
+        )
 
     def greedy_path(self, logits, roots, starts, target_predict):
         self.topk(logits)
@@ -138,7 +165,9 @@ def same_trees(port: Side, ours: Side) -> int:
 
 
 def bench_config(port: Side, ours: Side, inputs: dict, args) -> dict:
-    logits, roots, starts, target, probs = (inputs[k] for k in ("logits", "roots", "starts", "target", "probs"))
+    logits, roots, starts, target, probs = (
+        inputs[k] for k in ("logits", "roots", "starts", "target", "probs")
+    )
 
     def timed(fn) -> float:
         return eager_us(fn, args.iters, args.reps)
@@ -183,8 +212,8 @@ def report(rows: list[dict], header: str, out: Path) -> str:
     text = header + "\n\n" + markdown_table(heads, table) + "\n"
     labels = [f"B{r['batch']} n{r['budget']}" for r in rows]
     series = {f"{s} (port / ours)": [r[f"port {s}"] / r[f"ours {s}"] for r in rows] for s in stages}
-    if plot_series(out / "sglang_bench.png", "SGLang DDTree port / kdtree-engine drop-in (speedup)", labels, series,
-                   ylabel="port time / our time"):  # fmt: skip
+    title = "SGLang DDTree port / kdtree-engine drop-in (speedup)"
+    if plot_series(out / "sglang_bench.png", title, labels, series, ylabel="port time / our time"):
         text += "\n![speedups](sglang_bench.png)\n"
     return text
 
@@ -211,7 +240,10 @@ def main(args: argparse.Namespace) -> int:
     for b in args.batch:
         for budget in args.budgets:
             inputs = make_inputs(b, budget, args, device, gen)
-            sides = Side(port.utils, port.topk, b, budget, device), Side(ours_fns, whole_vocab_topk, b, budget, device)
+            sides = (
+                Side(port.utils, port.topk, b, budget, device),
+                Side(ours_fns, whole_vocab_topk, b, budget, device),
+            )
             rows.append(bench_config(*sides, inputs, args))
             print(json.dumps(rows[-1]), flush=True)
             del inputs, sides

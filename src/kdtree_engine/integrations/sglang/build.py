@@ -25,19 +25,31 @@ def _check_buffer(buf, name: str, shape: tuple[int, ...], dtype: torch.dtype, de
     _need(buf.device == device, name, f"on {buf.device}, draft_top_log_probs on {device}")
     big_enough = buf.dim() == len(shape) and all(have >= want for have, want in zip(buf.shape, shape))
     _need(big_enough, name, f"expected at least {shape}, got {tuple(buf.shape)}")
-    _need(buf.dim() < 2 or buf.stride(-1) == 1 or buf.dtype == torch.bool, name, "expected unit column stride")
+    _need(
+        buf.dim() < 2 or buf.stride(-1) == 1 or buf.dtype == torch.bool, name, "expected unit column stride"
+    )
 
 
 def _check_topk(lp, ids, tree_budget) -> tuple[int, int, int]:
-    _need(isinstance(lp, torch.Tensor) and lp.dim() == 3, "draft_top_log_probs", "expected a [bs, L, topk] tensor")
+    _need(
+        isinstance(lp, torch.Tensor) and lp.dim() == 3,
+        "draft_top_log_probs",
+        "expected a [bs, L, topk] tensor",
+    )
     _need(lp.is_floating_point(), "draft_top_log_probs", f"expected a float tensor, got {lp.dtype}")
     _need(
         isinstance(ids, torch.Tensor) and ids.shape == lp.shape,
         "draft_top_token_ids",
         f"expected shape {tuple(lp.shape)}, got {tuple(getattr(ids, 'shape', ()))}",
     )
-    _need(not ids.is_floating_point() and ids.dtype != torch.bool, "draft_top_token_ids", "expected an integer tensor")
-    _need(ids.device == lp.device, "draft_top_token_ids", f"on {ids.device}, draft_top_log_probs on {lp.device}")
+    _need(
+        not ids.is_floating_point() and ids.dtype != torch.bool,
+        "draft_top_token_ids",
+        "expected an integer tensor",
+    )
+    _need(
+        ids.device == lp.device, "draft_top_token_ids", f"on {ids.device}, draft_top_log_probs on {lp.device}"
+    )
     ok = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and tree_budget >= 0
     _need(ok, "tree_budget", f"expected an int >= 0, got {tree_budget!r}")
     bs, depth, k = lp.shape

@@ -69,7 +69,9 @@ def draft_topk(
         lp, ids = whole_vocab_topk(logits, topk)
         return lp, ids + vocab_start
     if vocab_start % NORM_BLOCK:
-        raise ValueError(f"vocab_start: a shard must start on a multiple of {NORM_BLOCK} tokens, got {vocab_start}")
+        raise ValueError(
+            f"vocab_start: a shard must start on a multiple of {NORM_BLOCK} tokens, got {vocab_start}"
+        )
     part = shard_partials(logits, vocab_start, topk)
     nb = blocks if blocks is not None else part.block_max.shape[-1]
     values = _pad_columns(part.values, topk, float("-inf"))
@@ -81,9 +83,12 @@ def draft_topk(
         return x[..., lo:hi].permute(1, 0, 2).reshape(x.shape[1], -1)  # [T, world * width], rank order
 
     return merge_gathered(
-        by_rank(floats, 0, topk), by_rank(ints, 0, topk), by_rank(floats, topk, topk + nb),
-        by_rank(ints, topk, topk + nb), topk,
-    )  # fmt: skip
+        by_rank(floats, 0, topk),
+        by_rank(ints, 0, topk),
+        by_rank(floats, topk, topk + nb),
+        by_rank(ints, topk, topk + nb),
+        topk,
+    )
 
 
 def compute_draft_topk_log_probs_and_token_ids(self, hidden_states: torch.Tensor, lm_head, topk: int):
@@ -95,15 +100,24 @@ def compute_draft_topk_log_probs_and_token_ids(self, hidden_states: torch.Tensor
         raise ValueError(f"topk: DDTree topk must be positive, got {topk}")
     if hidden_states.numel() == 0:
         dev = hidden_states.device
-        return torch.empty((0, topk), dtype=torch.float32, device=dev), torch.empty((0, topk), dtype=torch.long,
-                                                                                    device=dev)  # fmt: skip
+        return torch.empty((0, topk), dtype=torch.float32, device=dev), torch.empty(
+            (0, topk), dtype=torch.long, device=dev
+        )
     shard = lm_head.shard_indices
     if int(shard.num_added_elements) > 0:
-        raise ValueError("lm_head: added-vocabulary shards are not supported by the kdtree-engine draft top-k")
+        raise ValueError(
+            "lm_head: added-vocabulary shards are not supported by the kdtree-engine draft top-k"
+        )
     from sglang.srt.distributed import get_tp_group
 
     group = get_tp_group()
     num_org = int(shard.num_org_elements)
     blocks = -(-int(shard.num_org_elements_padded) // NORM_BLOCK)
-    return draft_topk(hidden_states, lm_head.weight[:num_org], topk, vocab_start=int(shard.org_vocab_start_index),
-                      group=group, blocks=blocks)  # fmt: skip
+    return draft_topk(
+        hidden_states,
+        lm_head.weight[:num_org],
+        topk,
+        vocab_start=int(shard.org_vocab_start_index),
+        group=group,
+        blocks=blocks,
+    )
