@@ -188,13 +188,13 @@ def bench_config(port: Side, ours: Side, inputs: dict, args) -> dict:
 
 def make_inputs(b: int, budget: int, args, device, gen: torch.Generator) -> dict:
     n = budget + 1
-    logits = (torch.randn(b * args.depth, args.vocab, generator=gen) * 2).bfloat16().to(device)
-    target = torch.randint(0, args.vocab, (b, n), generator=gen).to(device)
+    logits = (torch.randn(b * args.depth, args.vocab, generator=gen, device=device) * 2).bfloat16()
+    target = torch.randint(0, args.vocab, (b, n), generator=gen, device=device)
     probs = None
     if not args.no_sample:
-        probs = torch.softmax(torch.randn(b, n, args.vocab, device=device) * 2, dim=-1)
-    starts = torch.randint(100, 4000, (b,), generator=gen).to(device)
-    roots = torch.randint(0, args.vocab, (b,), generator=gen).to(device)
+        probs = torch.softmax(torch.randn(b, n, args.vocab, generator=gen, device=device) * 2, dim=-1)
+    starts = torch.randint(100, 4000, (b,), generator=gen, device=device)
+    roots = torch.randint(0, args.vocab, (b,), generator=gen, device=device)
     return dict(logits=logits, roots=roots, starts=starts, target=target, probs=probs)
 
 
@@ -235,7 +235,7 @@ def main(args: argparse.Namespace) -> int:
         f"{torch.cuda.get_device_name(device)}, {stamp}\n\n"
         f"command: kdtree-engine bench sglang {' '.join(sys.argv[3:])}".rstrip()
     )
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
     rows = []
     for b in args.batch:
         for budget in args.budgets:
