@@ -12,6 +12,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from kdtree_engine.integrations import sglang as ours
 from kdtree_engine.integrations.sglang import plugin
@@ -112,8 +113,13 @@ def test_the_plug_in_installs_only_when_asked(tmp_path):
 
 
 def test_entry_point_is_declared():
+    """In pyproject.toml, and in the installed metadata when kdtree-engine is installed (the GPU machine
+    runs the tests from the source tree)."""
+    want = "kdtree_engine.integrations.sglang.plugin:load"
+    project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["sglang.srt.plugins"]["kdtree_ddtree"] == want
     found = {e.name: e.value for e in entry_points(group="sglang.srt.plugins")}
-    assert found.get("kdtree_ddtree") == "kdtree_engine.integrations.sglang.plugin:load"
+    assert found.get("kdtree_ddtree", want) == want
 
 
 def test_signatures_match_the_port():

@@ -146,7 +146,7 @@ def test_compile_kernels_equal_reference(case, build_mask, device):
 def test_compile_kernels_strided_views(build_mask, device):
     case = CASES[5]
     (want, want_bufs), (got, got_bufs) = compile_both(case, device, build_mask, strided=True)
-    (plain, _), _ = compile_both(case, CPU, build_mask)
+    (plain, _), _ = compile_both(case, device, build_mask)
     for a, w, p in zip(got, want, plain):
         assert a is None or (torch.equal(a, w) and torch.equal(w, p))
     assert torch.equal(got_bufs["vis"], want_bufs["vis"])
@@ -209,9 +209,9 @@ def test_follow_kernel_equals_reference(case, targets, device):
     assert (want[2] >= 1).all()
 
 
-def test_follow_paths_get_long():
+def test_follow_paths_get_long(device):
     """The path targets do reach deep nodes (so the kernel test compares real walks, not root stops)."""
-    lens = follow_case((4, 12, [12, 9, 12, 5], 5, 12), CPU, "path")[3][2]
+    lens = follow_case((4, 12, [12, 9, 12, 5], 5, 12), device, "path")[3][2]
     assert lens.max() >= 3
 
 
@@ -286,7 +286,7 @@ def test_reference_hand_tree_mask():
     assert vis.int().tolist() == [HAND_VIS]  # untouched with the mask
 
 
-def test_reference_hand_tree_follow():
+def test_reference_hand_tree_follow(device):
     draft = torch.tensor([[10, 11, 11, 13, 14, 0]] * 3)
     parents = torch.tensor([HAND["parents"]] * 3)
     target = torch.tensor(
@@ -302,9 +302,10 @@ def test_reference_hand_tree_follow():
     assert idx.tolist() == [[0, 1, 3, 4, -1, -1], [0, 1, 3, -1, -1, -1], [0, -1, -1, -1, -1, -1]]
     assert tok.tolist() == [[10, 11, 13, 14, 0, 0], [10, 11, 13, 0, 0, 0], [10, 0, 0, 0, 0, 0]]
     assert lens.tolist() == [4, 3, 1] and nxt.tolist() == [42, 14, 12]
-    got = V._follow(draft, target, parents, torch.tensor([5, 4, 5]), None, None, None, None, use_kernels=True)
+    ins = (draft, target, parents, torch.tensor([5, 4, 5]))
+    got = V._follow(*(t.to(device) for t in ins), None, None, None, None, use_kernels=True)
     for a, w in zip(got, (idx, tok, lens, nxt)):
-        assert torch.equal(a, w)
+        assert torch.equal(a.cpu(), w)
 
 
 def compile_kwargs(**over):

@@ -10,8 +10,11 @@ target probabilities [B, budget + 1, V]. Stages:
 - follow: follow_verified_tree_gpu from the target's argmax tokens (greedy verify);
 - sample: sample_ddtree_target_probs_gpu from the target's probabilities (sampled verify);
 - greedy path: topk + build + compile + follow, each side on its own outputs (one call chain).
-Times: eager calls as the worker makes them (host launch costs included), `--iters` back-to-back
-calls between two CUDA events, median of `--reps`; ratios port / ours from the same run. "same trees":
+Times: calls as the worker makes them (host launch costs included), `--iters` back-to-back calls
+between two CUDA events, median of `--reps`; ratios port / ours from the same run. Our build, compile,
+follow and sample replay a CUDA graph once a call repeats on the same buffers (integrations/sglang/
+replay.py), as they do inside SGLang; "without replay" times our greedy path with every call eager
+(KDTREE_ENGINE_SGLANG_GRAPHS=0). "same trees":
 requests whose tree (tokens and parents) the port builds equal to ours from the same top-k (it is not
 exact on ties; ours equals the official builder, as the tests check). "saved/round" is what one
 decoding round of the greedy path saves at this batch, budget and vocabulary (per tensor-parallel rank).
@@ -20,8 +23,10 @@ decoding round of the greedy path saves at this batch, budget and vocabulary (pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -156,6 +161,22 @@ class Side:
         return self.follow(target_predict)
 
 
+@contextlib.contextmanager
+def graphs_off():
+    """Our calls without the graph replay (integrations/sglang/replay.py): every call eager."""
+    from kdtree_engine.integrations.sglang import replay
+
+    saved = os.environ.get(replay.ENV)
+    os.environ[replay.ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[replay.ENV]
+        else:
+            os.environ[replay.ENV] = saved
+
+
 def same_trees(port: Side, ours: Side) -> int:
     """Requests whose tree (tokens, parents) the port built equal to ours from the same top-k."""
     ours.build(port.lp, port.ids)
@@ -183,6 +204,8 @@ def bench_config(port: Side, ours: Side, inputs: dict, args) -> dict:
             row[f"{name} sample"] = timed(lambda s=side: s.sample(probs))
         row[f"{name} greedy path"] = timed(lambda s=side: s.greedy_path(logits, roots, starts, target))
     row["same trees"] = same_trees(port, ours)
+    with graphs_off():
+        row["ours eager greedy path"] = timed(lambda: ours.greedy_path(logits, roots, starts, target))
     return row
 
 
@@ -200,13 +223,16 @@ def make_inputs(b: int, budget: int, args, device, gen: torch.Generator) -> dict
 
 def report(rows: list[dict], header: str, out: Path) -> str:
     stages = [s for s in STAGES if f"port {s}" in rows[0]]
-    heads = ["B", "budget"] + [f"{s} port / ours us (x)" for s in stages] + ["saved/round us", "same trees"]
+    heads = ["B", "budget"] + [f"{s} port / ours us (x)" for s in stages]
+    heads += ["greedy path ours without replay us (x)", "saved/round us", "same trees"]
     table = []
     for r in rows:
         cells = [r["batch"], r["budget"]]
         for s in stages:
             p, o = r[f"port {s}"], r[f"ours {s}"]
             cells.append(f"{p:.1f} / {o:.1f} ({p / o:.1f}x)")
+        eager = r["ours eager greedy path"]
+        cells += [f"{eager:.1f} ({r['port greedy path'] / eager:.1f}x)"]
         cells += [r["port greedy path"] - r["ours greedy path"], f"{r['same trees']}/{r['batch']}"]
         table.append(cells)
     text = header + "\n\n" + markdown_table(heads, table) + "\n"
@@ -248,8 +274,8 @@ def main(args: argparse.Namespace) -> int:
             print(json.dumps(rows[-1]), flush=True)
             del inputs, sides
             torch.cuda.empty_cache()
-    text = report(rows, header, out)
-    (out / "sglang_bench.md").write_text(text)
-    (out / "sglang_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+            text = report(rows, header, out)  # after every row: a run cut short keeps what it measured
+            (out / "sglang_bench.md").write_text(text)
+            (out / "sglang_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     print(text)
     return 0

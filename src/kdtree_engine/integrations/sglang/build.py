@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.integrations.sglang.replay import replayed
 from kdtree_engine.ref import sglang_build as ref_layout
 from kdtree_engine.ref import tree as ref_tree
 
@@ -117,6 +118,7 @@ def _build(lp: torch.Tensor, ids: torch.Tensor, tree_budget: int, outs: dict) ->
                                  outs["sizes"])  # fmt: skip
 
 
+@replayed(device_arg="draft_top_log_probs", bypass=lambda args, kw: kw.get("prune_to_deepest_chains", False))
 def build_ddtree_tree_gpu(
     *,
     draft_top_log_probs: torch.Tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.integrations.sglang.replay import replayed
 from kdtree_engine.ref import sglang_sample as ref
 
 _INTS = (torch.int32, torch.int64)
@@ -62,6 +63,7 @@ def _validate(target_probs, draft_tokens, parents, actual_tree_sizes, buffers: d
     return bs, q
 
 
+@replayed(device_arg="target_probs")
 def sample_ddtree_target_probs_gpu(
     *,
     target_probs: torch.Tensor,

@@ -17,7 +17,27 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.integrations.sglang.replay import replayed
 from kdtree_engine.ref import sglang_verify as ref
+
+COMPILE_OUTS = {"build_attention_mask": 12, "_out_verify_input_ids": 13, "_out_verify_position_ids": 14}
+FOLLOW_OUTS = ("accepted_indices", "accepted_token_ids", "accepted_lens", "next_tokens")
+
+
+def _compile_allocates(args, kwargs) -> bool:
+    """Whether a compile_ddtree_tree call builds the packed mask (its size changes with the prefix
+    lengths) or allocates an output: such calls are not replayed (replay.py)."""
+    got = {k: kwargs.get(k, args[i] if len(args) > i else None) for k, i in COMPILE_OUTS.items()}
+    mask = got["build_attention_mask"]
+    return (
+        (mask is None or bool(mask))
+        or got["_out_verify_input_ids"] is None
+        or (got["_out_verify_position_ids"] is None)
+    )
+
+
+def _follow_allocates(args, kwargs) -> bool:
+    return any(kwargs.get(k) is None for k in FOLLOW_OUTS)
 
 
 def _need(cond: bool, name: str, what: str) -> None:
@@ -117,6 +137,7 @@ def _check_sizes_fit(actual_sizes_cpu, actual_tree_sizes: torch.Tensor, bs: int,
     _need(largest <= q, "verify_token_num", msg + f"verify_token_num={q}, max_actual_size={largest}.")
 
 
+@replayed(device_arg="root_token_ids", bypass=_compile_allocates)
 def compile_ddtree_tree(
     root_token_ids: torch.Tensor,
     node_token_ids: torch.Tensor,
@@ -223,6 +244,7 @@ def _out_1d(buf, name: str, bs: int, dev: torch.device) -> torch.Tensor:
     return buf[:bs]
 
 
+@replayed(device_arg="draft_tokens", bypass=_follow_allocates)
 def follow_verified_tree_gpu(
     *,
     draft_tokens: torch.Tensor,
