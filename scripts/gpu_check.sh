@@ -28,7 +28,7 @@ python3 -c 'import xdist' 2>/dev/null && xdist=(-n 12)
 if [ "$what" = sglang ]; then
   KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-200}" python3 -m pytest -q tests/integrations \
     -p no:cacheprovider "${xdist[@]}" -rs --durations=8 2>&1 | tee "$R/sglang_tests.log" | tail -30 || status=1
-  timeout "${T_SGLANG:-330}" python3 -m kdtree_engine bench sglang --batch 64 32 16 8 1 --out "$R/sglang" 2>&1 \
+  timeout "${T_SGLANG:-330}" python3 -m kdtree_engine bench sglang --batch 64 32 16 8 1 --iters 20 --out "$R/sglang" 2>&1 \
     | tee "$R/bench_sglang.log" | tail -40 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status

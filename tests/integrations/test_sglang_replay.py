@@ -108,3 +108,20 @@ def test_replayed_sampling_draws_fresh_uniforms_and_follows_them():
             assert torch.equal(bufs[name].cpu(), getattr(want, name)), name
         drawn.append(u)
     assert len(R.CACHE.graphs) == 1 and not torch.equal(drawn[2], drawn[3])
+
+
+@pytest.mark.gpu
+def test_replayed_topk_follows_new_logits_in_the_same_buffer():
+    from kdtree_engine.integrations.sglang.topk import whole_vocab_topk
+    from kdtree_engine.ref import tree as ref_tree
+
+    logits = torch.empty(30, 163840, dtype=torch.bfloat16, device="cuda")
+    R.CACHE.clear()
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(30, 163840, generator=g) * 2).bfloat16()
+        logits.copy_(x)
+        lp, ids = whole_vocab_topk(logits, 32)
+        want_lp, want_ids = ref_tree.logits_to_topk(x.unsqueeze(0), 32)
+        assert torch.equal(lp.cpu(), want_lp[0]) and torch.equal(ids.cpu(), want_ids[0]), seed
+    assert len(R.CACHE.graphs) == 1

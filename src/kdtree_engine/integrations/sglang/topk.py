@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.integrations.sglang.replay import replayed
 from kdtree_engine.integrations.sharded_topk import NORM_BLOCK, merge_gathered, shard_partials
 from kdtree_engine.ref import tree as ref_tree
 
@@ -24,9 +25,12 @@ def _pad_columns(x: torch.Tensor, width: int, value) -> torch.Tensor:
     return torch.cat([x, pad], dim=-1)
 
 
+@replayed(device_arg="logits")
 def whole_vocab_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, V] -> ([T, topk] float32 log-probs, [T, topk] int64 ids); columns past V hold -inf / 0
-    (the port's padding when topk > V)."""
+    (the port's padding when topk > V). On CUDA a call repeating on the same logits buffer replays a
+    graph (replay.py) whose outputs are the same two tensors every time: a result is valid until the
+    next call on that buffer (the worker consumes it at once, in the tree build)."""
     k = min(topk, logits.shape[-1])
     if logits.is_cuda:
         from kdtree_engine.kernels.tree_topk import logits_topk
@@ -67,7 +71,7 @@ def draft_topk(
     logits = torch.mm(hidden_states, weight.t())
     if group is None or group.world_size == 1:
         lp, ids = whole_vocab_topk(logits, topk)
-        return lp, ids + vocab_start
+        return lp, (ids + vocab_start if vocab_start else ids)
     if vocab_start % NORM_BLOCK:
         raise ValueError(
             f"vocab_start: a shard must start on a multiple of {NORM_BLOCK} tokens, got {vocab_start}"
