@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kdtree_engine.bench.peers import port_tree_buffers as port_buffers  # the port worker's buffers
 from kdtree_engine.integrations.sglang import build as B
 from kdtree_engine.ref import tree as ref_tree
 
@@ -18,23 +19,6 @@ def topk_inputs(seed: int, bs: int, depth: int, budget: int, vocab: int = 24, ti
     x = torch.randn(bs, depth, vocab, generator=g) * 2
     x = torch.round(x) if ties else x
     return ref_tree.logits_to_topk(x, max(1, min(budget, vocab)))
-
-
-def port_buffers(max_bs: int, budget: int, device="cpu") -> dict:
-    """The port worker's buffers (its allocation: zeros, -1 parents, empty heap scratch)."""
-    n, cap = budget + 1, 1 << (2 * budget + 3).bit_length()
-    i64 = dict(dtype=torch.int64, device=device)
-    return dict(
-        _out_node_token_ids=torch.zeros(max_bs, budget, **i64),
-        _out_node_depths=torch.zeros(max_bs, budget, **i64),
-        _out_parents=torch.full((max_bs, n), -1, **i64),
-        _out_visibility=torch.zeros(max_bs, n, n, dtype=torch.bool, device=device),
-        _out_actual_tree_sizes=torch.zeros(max_bs, **i64),
-        _heap_scores=torch.empty(max_bs, cap, dtype=torch.float64, device=device),
-        _heap_parents=torch.empty(max_bs, cap, dtype=torch.int32, device=device),
-        _heap_depths=torch.empty(max_bs, cap, dtype=torch.int32, device=device),
-        _heap_ranks=torch.empty(max_bs, cap, dtype=torch.int32, device=device),
-    )
 
 
 def run(lp, ids, budget, bufs, fn=B.build_ddtree_tree_gpu):

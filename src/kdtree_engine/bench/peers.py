@@ -163,14 +163,11 @@ class SglangTriton:
 
     def __init__(self, module, batch: int, depth: int, budget: int, device):
         self.module, self.budget = module, budget
-        n, heap = budget + 1, 1 << (2 * budget + 3).bit_length()  # its heap: next_pow2(2 budget + 4)
-        i64, i32 = {"dtype": torch.int64, "device": device}, {"dtype": torch.int32, "device": device}
-        self.tokens, self.depths = torch.zeros(batch, budget, **i64), torch.zeros(batch, budget, **i64)
-        self.parents = torch.full((batch, n), -1, **i64)
-        self.visibility = torch.zeros(batch, n, n, dtype=torch.bool, device=device)
-        self.sizes = torch.zeros(batch, **i64)
-        self.heap_scores = torch.empty(batch, heap, dtype=torch.float64, device=device)
-        self.heap = [torch.empty(batch, heap, **i32) for _ in range(3)]  # parents, depths, ranks
+        self.buffers = port_tree_buffers(batch, budget, device)
+        self.tokens, self.depths = self.buffers["_out_node_token_ids"], self.buffers["_out_node_depths"]
+        self.parents, self.visibility = self.buffers["_out_parents"], self.buffers["_out_visibility"]
+        self.sizes = self.buffers["_out_actual_tree_sizes"]
+        n, i64 = budget + 1, {"dtype": torch.int64, "device": device}
         self.input_ids, self.positions = torch.empty(batch, n, **i64), torch.empty(batch, n, **i64)
 
     def topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,9 +178,7 @@ class SglangTriton:
     def build(self, lp: torch.Tensor, ids: torch.Tensor) -> None:
         self.module.build_ddtree_tree_triton(
             top_log_probs=lp, top_token_ids=ids, tree_budget=self.budget,
-            out_node_token_ids=self.tokens, out_node_depths=self.depths, out_parents=self.parents,
-            out_visibility=self.visibility, out_actual_tree_sizes=self.sizes, heap_scores=self.heap_scores,
-            heap_parents=self.heap[0], heap_depths=self.heap[1], heap_ranks=self.heap[2],
+            **{name.lstrip("_"): buf for name, buf in self.buffers.items()},  # out_node_token_ids=, ...
         )  # fmt: skip
 
     def verify(self, roots: torch.Tensor, starts: torch.Tensor) -> None:
@@ -200,6 +195,26 @@ class SglangTriton:
 
     def from_logits(self, logits, roots, starts) -> None:
         self.from_topk(*self.topk(logits), roots, starts)
+
+
+def port_tree_buffers(batch: int, budget: int, device="cpu") -> dict:
+    """The tree buffers of the SGLang port's worker for `batch` requests, allocated as it allocates them
+    (zeros, parents -1, empty heap scratch of next_pow2(2 budget + 4) slots), keyed by the names of
+    build_ddtree_tree_gpu's arguments."""
+    n, heap = budget + 1, 1 << (2 * budget + 3).bit_length()
+    i64 = {"dtype": torch.int64, "device": device}
+    i32 = {"dtype": torch.int32, "device": device}
+    return {
+        "_out_node_token_ids": torch.zeros(batch, budget, **i64),
+        "_out_node_depths": torch.zeros(batch, budget, **i64),
+        "_out_parents": torch.full((batch, n), -1, **i64),
+        "_out_visibility": torch.zeros(batch, n, n, dtype=torch.bool, device=device),
+        "_out_actual_tree_sizes": torch.zeros(batch, **i64),
+        "_heap_scores": torch.empty(batch, heap, dtype=torch.float64, device=device),
+        "_heap_parents": torch.empty(batch, heap, **i32),
+        "_heap_depths": torch.empty(batch, heap, **i32),
+        "_heap_ranks": torch.empty(batch, heap, **i32),
+    }
 
 
 def token_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from kdtree_engine.bench.peers import load_sglang_port, port_tree_buffers
 from kdtree_engine.bench.plot import markdown_table, plot_series
 
 STAGES = ("topk", "build", "compile", "follow", "sample", "greedy path")
@@ -74,19 +75,8 @@ class Side:
 
     def __init__(self, fns, topk, b: int, budget: int, device: torch.device):
         self.fns, self.topk_fn, self.b, self.budget = fns, topk, b, budget
-        n, cap = budget + 1, 1 << (2 * budget + 3).bit_length()
-        i64 = dict(dtype=torch.int64, device=device)
-        self.tree = dict(
-            _out_node_token_ids=torch.zeros(b, budget, **i64),
-            _out_node_depths=torch.zeros(b, budget, **i64),
-            _out_parents=torch.full((b, n), -1, **i64),
-            _out_visibility=torch.zeros(b, n, n, dtype=torch.bool, device=device),
-            _out_actual_tree_sizes=torch.zeros(b, **i64),
-            _heap_scores=torch.empty(b, cap, dtype=torch.float64, device=device),
-            _heap_parents=torch.empty(b, cap, dtype=torch.int32, device=device),
-            _heap_depths=torch.empty(b, cap, dtype=torch.int32, device=device),
-            _heap_ranks=torch.empty(b, cap, dtype=torch.int32, device=device),
-        )
+        n, i64 = budget + 1, dict(dtype=torch.int64, device=device)
+        self.tree = port_tree_buffers(b, budget, device)
         self.ids_buf, self.pos_buf = torch.empty(b * n, **i64), torch.empty(b * n, **i64)
         self.follow_bufs = dict(
             accepted_indices=torch.empty(b, n, **i64),
@@ -247,7 +237,6 @@ def report(rows: list[dict], header: str, out: Path) -> str:
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("device: bench sglang runs the port's Triton kernels, which need a CUDA GPU")
-    from kdtree_engine.bench.peers import load_sglang_port
     from kdtree_engine.integrations import sglang as ours_fns
     from kdtree_engine.integrations.sglang.topk import whole_vocab_topk
 

@@ -9,52 +9,45 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.integrations.sglang._checks import check_budget, check_covers, need
 from kdtree_engine.integrations.sglang.replay import replayed
 from kdtree_engine.ref import sglang_build as ref_layout
 from kdtree_engine.ref import tree as ref_tree
 
 
-def _need(cond: bool, name: str, what: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {what}")
-
-
 def _check_buffer(buf, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     """ValueError naming `name` unless buf is a tensor of `dtype` on `device` covering `shape`."""
-    _need(isinstance(buf, torch.Tensor), name, f"expected a tensor, got {type(buf).__name__}")
-    _need(buf.dtype == dtype, name, f"expected dtype {dtype}, got {buf.dtype}")
-    _need(buf.device == device, name, f"on {buf.device}, draft_top_log_probs on {device}")
-    big_enough = buf.dim() == len(shape) and all(have >= want for have, want in zip(buf.shape, shape))
-    _need(big_enough, name, f"expected at least {shape}, got {tuple(buf.shape)}")
-    _need(
-        buf.dim() < 2 or buf.stride(-1) == 1 or buf.dtype == torch.bool, name, "expected unit column stride"
-    )
+    need(isinstance(buf, torch.Tensor), name, f"expected a tensor, got {type(buf).__name__}")
+    need(buf.dtype == dtype, name, f"expected dtype {dtype}, got {buf.dtype}")
+    need(buf.device == device, name, f"on {buf.device}, draft_top_log_probs on {device}")
+    need(buf.dim() == len(shape), name, f"expected {len(shape)} dims, got shape {tuple(buf.shape)}")
+    check_covers(buf, name, shape)
+    need(buf.dim() < 2 or buf.stride(-1) == 1 or buf.dtype == torch.bool, name, "expected unit column stride")
 
 
 def _check_topk(lp, ids, tree_budget) -> tuple[int, int, int]:
-    _need(
+    need(
         isinstance(lp, torch.Tensor) and lp.dim() == 3,
         "draft_top_log_probs",
         "expected a [bs, L, topk] tensor",
     )
-    _need(lp.is_floating_point(), "draft_top_log_probs", f"expected a float tensor, got {lp.dtype}")
-    _need(
+    need(lp.is_floating_point(), "draft_top_log_probs", f"expected a float tensor, got {lp.dtype}")
+    need(
         isinstance(ids, torch.Tensor) and ids.shape == lp.shape,
         "draft_top_token_ids",
         f"expected shape {tuple(lp.shape)}, got {tuple(getattr(ids, 'shape', ()))}",
     )
-    _need(
+    need(
         not ids.is_floating_point() and ids.dtype != torch.bool,
         "draft_top_token_ids",
         "expected an integer tensor",
     )
-    _need(
+    need(
         ids.device == lp.device, "draft_top_token_ids", f"on {ids.device}, draft_top_log_probs on {lp.device}"
     )
-    ok = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and tree_budget >= 0
-    _need(ok, "tree_budget", f"expected an int >= 0, got {tree_budget!r}")
+    check_budget(tree_budget)
     bs, depth, k = lp.shape
-    _need(k >= 1, "draft_top_log_probs", "topk (last dim) must be >= 1")
+    need(k >= 1, "draft_top_log_probs", "topk (last dim) must be >= 1")
     return bs, depth, k
 
 
@@ -68,7 +61,7 @@ def _prune(bs: int, tree_budget: int, outs: dict, pruned: dict, scratch: torch.T
             f"prune_ddtree_deepest_chains_triton), which does not import here: {exc}"
         ) from exc
     missing = [k for k, v in pruned.items() if v is None]
-    _need(not missing, "prune_to_deepest_chains", f"needs the pruned output buffers, missing {missing}")
+    need(not missing, "prune_to_deepest_chains", f"needs the pruned output buffers, missing {missing}")
     n = tree_budget + 1
     sizes = prune_ddtree_deepest_chains_triton(
         in_node_token_ids=outs["tokens"][:bs, :tree_budget],

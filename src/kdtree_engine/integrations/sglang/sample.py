@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.integrations.sglang._checks import check_covers, need
 from kdtree_engine.integrations.sglang.replay import replayed
 from kdtree_engine.ref import sglang_sample as ref
 
@@ -18,48 +19,38 @@ _INTS = (torch.int32, torch.int64)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _need(cond: bool, name: str, what: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}: {what}")
-
-
 def _check(x, name: str, dims: int, dtypes: tuple, device: torch.device, unit_stride: bool = True) -> None:
     """ValueError naming `name` unless x is a `dims`-D tensor of one of `dtypes` on `device` (and, with
     unit_stride, of a unit column stride when it has rows)."""
-    _need(isinstance(x, torch.Tensor), name, f"expected a tensor, got {type(x).__name__}")
-    _need(x.dim() == dims, name, f"expected {dims} dimensions, got shape {tuple(x.shape)}")
-    _need(x.dtype in dtypes, name, f"expected dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
-    _need(x.device == device, name, f"on {x.device}, target_probs on {device}")
+    need(isinstance(x, torch.Tensor), name, f"expected a tensor, got {type(x).__name__}")
+    need(x.dim() == dims, name, f"expected {dims} dimensions, got shape {tuple(x.shape)}")
+    need(x.dtype in dtypes, name, f"expected dtype in {[str(d) for d in dtypes]}, got {x.dtype}")
+    need(x.device == device, name, f"on {x.device}, target_probs on {device}")
     unit = dims < 2 or not unit_stride or x.shape[-1] <= 1 or x.stride(-1) == 1
-    _need(unit, name, "expected a unit column stride")
-
-
-def _check_covers(x: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
-    big_enough = all(have >= want for have, want in zip(x.shape, shape))
-    _need(big_enough, name, f"expected at least {shape}, got {tuple(x.shape)}")
+    need(unit, name, "expected a unit column stride")
 
 
 def _validate(target_probs, draft_tokens, parents, actual_tree_sizes, buffers: dict) -> tuple[int, int]:
     """Shapes, dtypes and devices of every argument (no values are read) -> (bs, q)."""
-    _need(isinstance(target_probs, torch.Tensor), "target_probs", "expected a tensor")
+    need(isinstance(target_probs, torch.Tensor), "target_probs", "expected a tensor")
     shape = tuple(target_probs.shape)
-    _need(target_probs.dim() == 3, "target_probs", f"expected [bs, q, vocab], got {shape}")
+    need(target_probs.dim() == 3, "target_probs", f"expected [bs, q, vocab], got {shape}")
     dev = target_probs.device
     _check(target_probs, "target_probs", 3, _FLOATS, dev, unit_stride=False)  # made contiguous if needed
     bs, q, vocab = target_probs.shape
-    _need(q >= 1, "target_probs", f"q (dim 1) must be positive, got {q}")
-    _need(1 <= vocab <= ref.MAX_VOCAB, "target_probs", f"vocab (dim 2) must be in [1, 2^22], got {vocab}")
+    need(q >= 1, "target_probs", f"q (dim 1) must be positive, got {q}")
+    need(1 <= vocab <= ref.MAX_VOCAB, "target_probs", f"vocab (dim 2) must be in [1, 2^22], got {vocab}")
     for name, x in (("draft_tokens", draft_tokens), ("parents", parents)):
         _check(x, name, 2, _INTS, dev)
-        _need(x.shape == (bs, q), name, f"expected shape {(bs, q)}, got {tuple(x.shape)}")
+        need(x.shape == (bs, q), name, f"expected shape {(bs, q)}, got {tuple(x.shape)}")
     if actual_tree_sizes is not None:
         _check(actual_tree_sizes, "actual_tree_sizes", 1, _INTS, dev)
-        _check_covers(actual_tree_sizes, "actual_tree_sizes", (bs,))
+        check_covers(actual_tree_sizes, "actual_tree_sizes", (bs,))
     for name, x in buffers.items():
         rows = name in ("uniform_samples", "accepted_indices", "accepted_token_ids", "reject_child_tokens")
         dtypes = (torch.float32,) if name.startswith("uniform") else (torch.int64,)
         _check(x, name, 2 if rows else 1, dtypes, dev)
-        _check_covers(x, name, (bs, q) if rows else (bs,))
+        check_covers(x, name, (bs, q) if rows else (bs,))
     return bs, q
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.integrations.sglang._checks import check_budget, check_covers, need
 from kdtree_engine.integrations.sglang.replay import replayed
 from kdtree_engine.ref import sglang_verify as ref
 
@@ -40,12 +41,6 @@ def _follow_allocates(args, kwargs) -> bool:
     return any(kwargs.get(k) is None for k in FOLLOW_OUTS)
 
 
-def _need(cond: bool, name: str, what: str) -> None:
-    """ValueError naming the argument `name` unless cond holds."""
-    if not cond:
-        raise ValueError(f"{name}: {what}")
-
-
 def _is_int(t: torch.Tensor) -> bool:
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
@@ -53,15 +48,14 @@ def _is_int(t: torch.Tensor) -> bool:
 def _check(t, name: str, dims: int, least: tuple[int, ...], dev: torch.device, dtype: str = "int") -> None:
     """ValueError naming `name` unless t is a `dims`-d tensor on dev, at least `least` in each dim, of
     integer dtype (dtype="int") or bool (dtype="bool")."""
-    _need(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
-    _need(t.dim() == dims, name, f"expected {dims} dims, got shape {tuple(t.shape)}")
-    _need(t.device == dev, name, f"on {t.device}, expected {dev}")
-    ok = all(have >= want for have, want in zip(t.shape, least))
-    _need(ok, name, f"expected at least {least}, got {tuple(t.shape)}")
+    need(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
+    need(t.dim() == dims, name, f"expected {dims} dims, got shape {tuple(t.shape)}")
+    need(t.device == dev, name, f"on {t.device}, expected {dev}")
+    check_covers(t, name, least)
     if dtype == "bool":
-        _need(t.dtype == torch.bool, name, f"expected a bool tensor, got {t.dtype}")
+        need(t.dtype == torch.bool, name, f"expected a bool tensor, got {t.dtype}")
     else:
-        _need(_is_int(t), name, f"expected an integer tensor, got {t.dtype}")
+        need(_is_int(t), name, f"expected an integer tensor, got {t.dtype}")
 
 
 def _unit(t: torch.Tensor) -> torch.Tensor:
@@ -72,11 +66,10 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
 def _verify_width(tree_budget, verify_token_num) -> int:
     """q, the verify slots per request: verify_token_num, else tree_budget + 1 (the port's rule)."""
     if verify_token_num is None:
-        ok = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and tree_budget >= 0
-        _need(ok, "tree_budget", f"expected an int >= 0, got {tree_budget!r}")
+        check_budget(tree_budget)
         return tree_budget + 1
     q = int(verify_token_num)
-    _need(q > 0, "verify_token_num", f"DDTree verify_token_num must be positive, got {q}.")
+    need(q > 0, "verify_token_num", f"DDTree verify_token_num must be positive, got {q}.")
     return q
 
 
@@ -85,15 +78,15 @@ def _flat_out(buf, name: str, bs: int, q: int, dev: torch.device) -> torch.Tenso
     or a fresh int64 tensor when buf is None."""
     if buf is None:
         return torch.empty((bs, q), dtype=torch.long, device=dev)
-    _need(isinstance(buf, torch.Tensor), name, f"expected a tensor, got {type(buf).__name__}")
-    _need(buf.device == dev, name, f"on {buf.device}, expected {dev}")
-    _need(_is_int(buf), name, f"expected an integer tensor, got {buf.dtype}")
-    _need(
+    need(isinstance(buf, torch.Tensor), name, f"expected a tensor, got {type(buf).__name__}")
+    need(buf.device == dev, name, f"on {buf.device}, expected {dev}")
+    need(_is_int(buf), name, f"expected an integer tensor, got {buf.dtype}")
+    need(
         buf.numel() >= bs * q,
         name,
         f"DDTree output buffer is too small: capacity={buf.numel()}, required={bs * q}.",
     )
-    _need(buf.is_contiguous(), name, "expected a contiguous buffer (it is written through a flat view)")
+    need(buf.is_contiguous(), name, "expected a contiguous buffer (it is written through a flat view)")
     return buf.view(-1)[: bs * q].view(bs, q)
 
 
@@ -104,9 +97,9 @@ def _mask_out(buf, pasts: list[int], q: int, dev: torch.device) -> torch.Tensor:
         return torch.empty(numel, dtype=torch.bool, device=dev)
     name = "_out_attention_mask"
     _check(buf, name, 1, (0,), dev, dtype="bool")
-    _need(buf.stride(0) == 1, name, "expected unit stride")
+    need(buf.stride(0) == 1, name, "expected unit stride")
     too_small = f"DDTree attention-mask output buffer is too small: capacity={buf.numel()}, required={numel}."
-    _need(buf.numel() >= numel, name, too_small)
+    need(buf.numel() >= numel, name, too_small)
     return buf[:numel]
 
 
@@ -116,11 +109,11 @@ def _host_past_lengths(past_lens_cpu, past_lengths: torch.Tensor, bs: int) -> li
     if past_lens_cpu is None:
         return [int(x) for x in past_lengths[:bs].tolist()]
     pasts = [int(x) for x in past_lens_cpu]
-    _need(len(pasts) == bs, "past_lens_cpu", f"expected {bs} entries (one per request), got {len(pasts)}")
-    _need(all(p >= 0 for p in pasts), "past_lens_cpu", "past lengths must be >= 0")
+    need(len(pasts) == bs, "past_lens_cpu", f"expected {bs} entries (one per request), got {len(pasts)}")
+    need(all(p >= 0 for p in pasts), "past_lens_cpu", "past lengths must be >= 0")
     if not past_lengths.is_cuda:  # free to compare on the host
         same = past_lengths[:bs].tolist() == pasts
-        _need(same, "past_lens_cpu", "differs from past_lengths")
+        need(same, "past_lens_cpu", "differs from past_lengths")
     return pasts
 
 
@@ -134,7 +127,7 @@ def _check_sizes_fit(actual_sizes_cpu, actual_tree_sizes: torch.Tensor, bs: int,
         actual_sizes_cpu = actual_tree_sizes[:bs].tolist()
     largest = max((int(s) for s in actual_sizes_cpu), default=1)
     msg = "DDTree verify_token_num is smaller than a pruned tree: "
-    _need(largest <= q, "verify_token_num", msg + f"verify_token_num={q}, max_actual_size={largest}.")
+    need(largest <= q, "verify_token_num", msg + f"verify_token_num={q}, max_actual_size={largest}.")
 
 
 @replayed(device_arg="root_token_ids", bypass=_compile_allocates)
@@ -193,7 +186,7 @@ def _compile(
     bs, dev = root_token_ids.shape[0], root_token_ids.device
     want_dev = torch.device(device)
     same_dev = want_dev.type == dev.type and (want_dev.index is None or want_dev.index == dev.index)
-    _need(same_dev, "device", f"{want_dev}, but root_token_ids is on {dev}")
+    need(same_dev, "device", f"{want_dev}, but root_token_ids is on {dev}")
     _check(node_token_ids, "node_token_ids", 2, (bs, q - 1), dev)
     _check(node_depths, "node_depths", 2, (bs, q - 1), dev)
     _check(visibility, "visibility", 3, (bs, q, q), dev, dtype="bool")
@@ -268,7 +261,7 @@ def follow_verified_tree_gpu(
     """
     shape = getattr(draft_tokens, "shape", None)
     ok = isinstance(draft_tokens, torch.Tensor) and draft_tokens.dim() == 2
-    _need(ok, "draft_tokens", f"DDTree GPU follow expects [bs, q] draft_tokens, got {shape}")
+    need(ok, "draft_tokens", f"DDTree GPU follow expects [bs, q] draft_tokens, got {shape}")
     return _follow(
         draft_tokens, target_predict, parents, actual_tree_sizes, accepted_indices, accepted_token_ids,
         accepted_lens, next_tokens, use_kernels=draft_tokens.is_cuda,
@@ -283,11 +276,11 @@ def _follow(
     reference."""
     bs, q = draft_tokens.shape
     dev = draft_tokens.device
-    _need(q > 0, "draft_tokens", f"DDTree GPU follow q_len must be positive, got {q}.")
+    need(q > 0, "draft_tokens", f"DDTree GPU follow q_len must be positive, got {q}.")
     _check(draft_tokens, "draft_tokens", 2, (bs, q), dev)
     for name, t in (("target_predict", target_predict), ("parents", parents)):
         _check(t, name, 2, (bs, q), dev)
-        _need(
+        need(
             t.shape == draft_tokens.shape,
             name,
             f"expected shape {tuple(draft_tokens.shape)}, got {tuple(t.shape)}",

@@ -1,0 +1,22 @@
+"""Argument checks shared by the drop-in's functions: each raises a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+
+def need(cond: bool, name: str, what: str) -> None:
+    """ValueError "name: what" unless cond holds."""
+    if not cond:
+        raise ValueError(f"{name}: {what}")
+
+
+def check_covers(x: torch.Tensor, name: str, least: tuple[int, ...]) -> None:
+    """ValueError unless every dim of x is at least `least`'s (a caller's buffer may be larger)."""
+    big_enough = all(have >= want for have, want in zip(x.shape, least))
+    need(big_enough, name, f"expected at least {least}, got {tuple(x.shape)}")
+
+
+def check_budget(tree_budget) -> None:
+    ok = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and tree_budget >= 0
+    need(ok, "tree_budget", f"expected an int >= 0, got {tree_budget!r}")
