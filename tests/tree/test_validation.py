@@ -266,4 +266,6 @@ def test_token_checks_sync_once_gpu():
                 call(validate)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        assert sum("synchroniz" in str(w.message) for w in seen) == syncs
+        # count the syncs only: switching the debug mode on also warns ("Synchronization debug mode is a
+        # prototype feature"), which a bare "synchroniz" match counted as a second sync on the H200
+        assert sum("called a synchronizing CUDA operation" in str(w.message) for w in seen) == syncs
