@@ -3,8 +3,10 @@ a module provides `add_arguments(parser)` and `main(args) -> int`.
 
 A failure the user can fix (a bad argument, a missing or broken file, a missing optional dependency, an
 allocation that does not fit) is one line on stderr, `kdtree-engine <command>: <message>`, and exit code
-2; Ctrl-C exits 130 and a closed stdout pipe (`| head`) 141, quietly. Anything else is a bug and keeps
-its traceback (as does every error when the environment variable KDTREE_ENGINE_TRACEBACK is set).
+2. For every subcommand, from the first import on: Ctrl-C is one line (`interrupted`) and exit 130; a
+stdout pipe closed by its reader (`| head`) exits 141 quietly; a closed stdout (`>&-`) discards the
+output. Anything else is a bug and keeps its traceback (as does every error when the environment
+variable KDTREE_ENGINE_TRACEBACK is set).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ SMALLER = {
     "generate": "--max-new-tokens, --budget or the batch (fewer --prompt)",
     "tree": "--budget, --depth or --vocab",
 }
+DESCRIPTION = (
+    "DDTree speculative decoding for DeepSeek-V3 / Kimi-K2 class models: generate text (the demo needs "
+    "no download), tree ops, golden bundles, benchmarks and training of the shipped kimi-nano."
+)
 _NO_MEMORY = re.compile(r"out of memory|not enough memory|can't allocate memory|cannot allocate memory", re.I)
 
 
@@ -86,7 +92,7 @@ def _add(sub, name: str, module: str, help_text: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kdtree-engine", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="kdtree-engine", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
@@ -140,30 +146,57 @@ def _silence_stdout() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
+def _open_stdout() -> None:
+    """A command started with stdout closed (`>&-`) has sys.stdout None: its output is discarded, as
+    Python's print() does, instead of failing on the first write."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
+def _command_name(args: argparse.Namespace | None, argv: list[str] | None) -> str:
+    """ "generate", "bench tree", ...: from the parsed arguments, or before parsing from argv."""
+    if args is not None:
+        parts = (args.command, getattr(args, "benchmark", None), getattr(args, "stage", None))
+        return " ".join(filter(None, parts))
+    words = sys.argv[1:] if argv is None else argv
+    return next((w for w in words if w in COMMANDS or w in ("bench", "train")), "")
+
+
+def _run(argv: list[str] | None, parsed: list) -> int:
+    """Parses argv (the subcommand modules are imported here) and runs the subcommand; parsed[0] is
+    the parsed arguments once known, for the messages."""
     args = build_parser().parse_args(argv)
-    parts = (args.command, getattr(args, "benchmark", None), getattr(args, "stage", None))
-    name = " ".join(filter(None, parts))
+    parsed.append(args)
     if getattr(args, "_missing", False):
-        print(f"kdtree-engine: '{name}' is not available in this build", file=sys.stderr)
+        print(f"kdtree-engine: '{_command_name(args, argv)}' is not available in this build", file=sys.stderr)
         return 2
+    code = int(importlib.import_module(args._module).main(args) or 0)
+    sys.stdout.flush()  # a reader that went away shows here, not at the interpreter's exit
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    _open_stdout()
+    parsed: list = []
     try:
-        return int(importlib.import_module(args._module).main(args) or 0)
+        return _run(argv, parsed)
     except KeyboardInterrupt:
+        name = _command_name(parsed[0] if parsed else None, argv)
+        print(f"kdtree-engine {name}: interrupted".replace(" :", ":"), file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as a SIGPIPE would
         _silence_stdout()
         return 141
-    except SystemExit as exc:  # `raise SystemExit("message")` in a subcommand: a usage error too
-        if not isinstance(exc.code, str):
+    except SystemExit as exc:  # argparse (usage errors, --help) or `raise SystemExit("message")`
+        if not isinstance(exc.code, str) or not parsed:
             raise
         message = exc.code
     except Exception as exc:
-        message = user_error(exc, name)
+        message = user_error(exc, _command_name(parsed[0] if parsed else None, argv))
         if message is None or os.environ.get("KDTREE_ENGINE_TRACEBACK"):
             raise
     one_line = " ".join(part.strip() for part in message.splitlines() if part.strip())
-    print(f"kdtree-engine {name}: {one_line}", file=sys.stderr)
+    print(f"kdtree-engine {_command_name(parsed[0] if parsed else None, argv)}: {one_line}", file=sys.stderr)
     return 2
 
 

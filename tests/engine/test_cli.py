@@ -109,7 +109,11 @@ def test_batch_prompts_random_drafter_and_sampling(capsys):
             ["--demo", "random", "--prompt-ids", "1 two"],
             "--prompt-ids: expected token ids separated by spaces",
         ),
-        (["--demo", "random", "--stop-string", ""], "--stop-string: expected a non-empty string"),
+        (["--demo", "random", "--stop-string", ""], "stop_strings: expected non-empty strings"),
+        (["--demo", "random", "--device", "mps"], "--device mps: kdtree-engine runs on cpu or cuda (cuda:N)"),
+        (["--demo", "random", "--device", "meta"], "--device meta: kdtree-engine runs on cpu or cuda"),
+        (["--model", "/nonexistent", "--prompt", "x"], "--model: /nonexistent does not exist"),
+        (["--model", "/nonexistent", "--method", "autoregressive", "--prompt", "x"], "--model: /nonexistent"),
         (
             ["--demo", "random", "--chat"],
             "--chat: needs a tokenizer with a chat template, and the demo has no tokenizer",
@@ -289,25 +293,38 @@ def test_prompt_ids_with_a_tokenizer_and_batches(capsys, ckpt):
     assert "(batch 3)" in out
 
 
+def _completing_token(tok, ids: list[int], stop: str) -> int:
+    """How many of ids the request keeps: up to and including the token whose text completes stop."""
+    return next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n]))
+
+
 def test_stop_strings(capsys, ckpt):
-    """--stop-string cuts the printed text before its first occurrence (streamed or not, any batch)."""
+    """--stop-string stops the request at the token that completes it (the stats count tokens up to
+    and including that one) and cuts the printed text before it (streamed or not, any batch)."""
     text = ckpt.text
     stop = text[text.index("é") : text.index("é") + 2]
     expected = text[: text.index(stop)]
+    kept = _completing_token(ckpt.tok, ckpt.cont, stop)
+    assert kept < NEW
     gen = ["--max-new-tokens", str(NEW), "--ignore-eos", "--stop-string", stop, "--stop-string", "never"]
-    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT))
-    assert rc == 0 and _stream_of(out, "ddtree") == expected
-    assert f"{NEW} new tokens" in out  # the engine stops on ids only: the request ran to its limit
-    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT, "--prompt", PROMPT))
-    assert rc == 0 and _requests(out, "ddtree") == {0: expected, 1: expected}
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT, "--compare"))
+    assert rc == 0 and _stream_of(out, "ddtree") == expected and out.count("output identical: YES") == 2
+    for method in ("ddtree", "dflash", "autoregressive"):
+        assert f"[{method}] {kept} new tokens (batch 1)" in out  # decoding stopped there
+    rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT, "--prompt-ids", "5 6"))
+    assert rc == 0 and _requests(out, "ddtree")[0] == expected
+    other = greedy_generate(ckpt.ours, [[5, 6]], NEW)[0]  # per request: the other one runs on
+    kept_other = _completing_token(ckpt.tok, other, stop) if stop in ckpt.tok.decode(other) else NEW
+    assert f"[ddtree] {kept + kept_other} new tokens (batch 2)" in out and kept_other > kept
     rc, out, _ = _run(capsys, *_ckpt_args(ckpt, None, *gen, "--prompt", PROMPT, "--no-stream"))
-    assert rc == 0 and f"---\n[0] {expected}\n[ddtree]" in out
-    # In the demo (the text is the ids): cut before the 3rd token.
+    assert rc == 0 and f"---\n[0] {expected}\n[ddtree] {kept} new tokens" in out
+    # In the demo (the text is the ids): stop at the 4th token, print up to the 3rd.
     rc, out, _ = _run(capsys, "--demo", "random", "--max-new-tokens", "8")
     text = _stream_of(out, "ddtree")
     stop = " " + " ".join(text.split()[2:4])
     rc, out, _ = _run(capsys, "--demo", "random", "--max-new-tokens", "8", "--stop-string", stop)
     assert rc == 0 and _stream_of(out, "ddtree") == text[: text.index(stop)]
+    assert "[ddtree] 4 new tokens" in out
 
 
 def test_generation_config_defaults(capsys, ckpt):
@@ -316,7 +333,8 @@ def test_generation_config_defaults(capsys, ckpt):
     import json
 
     from kdtree_engine.cli import build_parser
-    from kdtree_engine.engine.cli import _config, _generation_defaults
+    from kdtree_engine.engine.checkpoint import generation_defaults
+    from kdtree_engine.engine.cli import _config
 
     eos = ckpt.cont[5]
     n = ckpt.cont.index(eos) + 1
@@ -332,9 +350,9 @@ def test_generation_config_defaults(capsys, ckpt):
     sampled = json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20})
     model = _variant(ckpt, "sampled", generation_config__json=sampled)
     parse = build_parser().parse_args
-    config = _config(parse(["generate", "--model", model]), _generation_defaults(model))
+    config = _config(parse(["generate", "--model", model]), generation_defaults(model))
     assert (config.sampling.temperature, config.sampling.top_p, config.sampling.top_k) == (0.6, 0.95, 20)
-    config = _config(parse(["generate", "--temperature", "0", "--top-k", "0"]), _generation_defaults(model))
+    config = _config(parse(["generate", "--temperature", "0", "--top-k", "0"]), generation_defaults(model))
     assert (config.sampling.temperature, config.sampling.top_p, config.sampling.top_k) == (0.0, 0.95, 0)
     bad = _variant(ckpt, "badgen", generation_config__json='{"max_new_tokens": "many"}')
     rc, out, err = _run(capsys, *_ckpt_args(ckpt, bad, "--prompt", PROMPT))

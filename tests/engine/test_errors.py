@@ -25,7 +25,11 @@ def _drafter(**overrides):
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(budget=-1), "budget: expected None or an int >= 0 for method 'ddtree', got -1"),
+        (dict(budget=-1), r"budget: expected None or an int in \[0, 1048576\] for method 'ddtree', got -1"),
+        (dict(budget=2**62), r"budget: expected None or an int in \[0, 1048576\]"),
+        (dict(stop_strings="STOP"), "stop_strings: expected a tuple or list of strings"),
+        (dict(stop_strings=("",)), "stop_strings: expected non-empty strings"),
+        (dict(stop_strings=(3,)), "stop_strings: expected non-empty strings"),
         (dict(budget=2.0), "budget"),
         (dict(budget=True), "budget"),
         (dict(max_new_tokens=-3), "max_new_tokens"),
@@ -63,18 +67,20 @@ def test_bad_sampling(fields, match):
 
 def test_config_is_frozen_and_normalized():
     config = GenerationConfig(max_new_tokens=4, stop_tokens=[3, 5], sampling=SamplingParams(1, top_k=5))
-    assert config.stop_tokens == (3, 5) and config.method == "ddtree" and config.budget is None
+    assert config.stop_tokens == (3, 5) and config.method == "ddtree" and config.budget == 32
     assert isinstance(config.sampling.temperature, float) and not config.sampling.greedy
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.budget = 3
     assert dataclasses.replace(config, method="dflash").stop_tokens == (3, 5)
     with pytest.raises(TypeError):
         GenerationConfig(4)  # keyword-only
+    assert GenerationConfig().max_new_tokens == 64  # the command line's defaults are the config's
+    assert GenerationConfig(stop_strings=["a", "b"]).stop_strings == ("a", "b")
 
 
 def test_tree_budget():
-    assert GenerationConfig(max_new_tokens=1).tree_budget(8) == 7
-    assert GenerationConfig(max_new_tokens=1, budget=32).tree_budget(8) == 32
+    assert GenerationConfig(max_new_tokens=1, budget=None).tree_budget(8) == 7
+    assert GenerationConfig(max_new_tokens=1).tree_budget(8) == 32
     assert GenerationConfig(max_new_tokens=1, budget=0).tree_budget(8) == 0
     assert GenerationConfig(max_new_tokens=1, method="dflash", budget=32).tree_budget(8) == 7
     assert GenerationConfig(max_new_tokens=1, method="autoregressive", budget=32).tree_budget(8) == 0
@@ -173,7 +179,7 @@ def test_limits_are_checked_before_any_allocation():
     target, drafter = tiny_target(0), tiny_drafter(0, block_size=4)
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match="budget: a verify forward needs about"):
-        generate(target, drafter, [[1, 2, 3]], GenerationConfig(max_new_tokens=8, budget=10**9))
+        generate(target, drafter, [[1, 2, 3]], GenerationConfig(max_new_tokens=8, budget=10**6))
     assert time.perf_counter() - t0 < 5
     every_id = range(target.config.vocab_size)  # stop after the first token
     config = GenerationConfig(max_new_tokens=10**12, method="ddtree", budget=4, stop_tokens=every_id)

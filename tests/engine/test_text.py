@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from kdtree_engine.engine.cli import _Tokenizer
 from kdtree_engine.engine.text import IncrementalDetokenizer, TextStream
+from kdtree_engine.engine.tokenizer import Tokenizer as EngineTokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
@@ -156,7 +156,7 @@ def test_byte_fallback_metaspace_every_split():
 
 def test_id_only_tokenizer_every_split():
     """The CLI's tokenizer without tokenizer files: the text is the ids, space-separated."""
-    tok = _Tokenizer(None)
+    tok = EngineTokenizer(None)
     ids = [5, 17, 3, 99, 0, 127, 42, 8, 8, 1]
     _check_all_splits(tok, ids, "5 17 3 99 0 127 42 8 8 1")
 
@@ -186,7 +186,7 @@ def test_linear_work(bpe, kind):
         ids = [rng.randrange(bpe.get_vocab_size()) for _ in range(4000)]
         tok = bpe
     else:
-        ids, tok = [rng.randrange(1000) for _ in range(4000)], _Tokenizer(None)
+        ids, tok = [rng.randrange(1000) for _ in range(4000)], EngineTokenizer(None)
     counting = _Counting(tok)
     detok = IncrementalDetokenizer(counting)
     pieces, i = [], 0

@@ -1,56 +1,89 @@
 """`kdtree-engine generate`: stream text from autoregressive, DFlash or DDTree decoding and print stats.
 
-With --model/--drafter it loads HF-format checkpoints (tokenizer files in the model dir are used when
-present, else prompts are space-separated token ids; its generation_config.json gives defaults). With
---demo (or neither path) it runs the embedded kimi-nano target and its trained DFlash drafter through the
-same loaders, on a held-out code-completion prompt: no download, CPU is enough. `--demo random` runs a
-seeded tiny random target with a labelled stand-in drafter instead (for tests of the engine). Argument
-errors are one line on stderr and exit 2, before anything is printed or loaded.
+The command only: the decoding options are GenerationConfig's fields (train.options derives the flags,
+HELP below gives their help), checkpoints are read by engine.checkpoint and tokenized by
+engine.tokenizer, sizes come from engine.memory. With --model/--drafter it runs HF-format checkpoints;
+with --demo (or neither path) the embedded kimi-nano target and its trained DFlash drafter on a
+held-out code-completion prompt (no download, CPU is enough); `--demo random` a seeded tiny random
+target with a labelled stand-in drafter (for tests of the engine). Every argument, path and size is
+checked before anything large is loaded or anything is printed on stdout; errors are one line on
+stderr and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from kdtree_engine.engine.checks import check_drafter, check_prompts, check_stop_tokens, is_int
+from kdtree_engine.engine.checkpoint import (
+    Checkpoints,
+    checkpoint_dir,
+    eos_tokens,
+    load_checkpoints,
+    read_checkpoints,
+)
+from kdtree_engine.engine.checks import check_drafter, check_memory, check_prompts, check_stop_tokens
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.loop import GenerationOutput, generate
-from kdtree_engine.engine.sampling import SamplingParams
+from kdtree_engine.engine.memory import cache_rows, generation_needs, request_limits, weights_bytes
+from kdtree_engine.engine.stats import round_cost
 from kdtree_engine.engine.text import TextStream
-from kdtree_engine.impl import IMPLS, kernels_unavailable
+from kdtree_engine.engine.tokenizer import Tokenizer, load_tokenizer
+from kdtree_engine.impl import IMPLS, kernels_unavailable, resolve_impl
+from kdtree_engine.train.options import add_config_arguments, config_from_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULTS = {"max_new_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-HF_EXTRA = 'pip install "kdtree-engine[hf]" (pip install -e ".[hf]" in a checkout)'
 DEMOS = ("kimi-nano", "random")
+KIMI_NANO_EOS = "0, <|endoftext|>"  # assets/kimi-nano/generation_config.json
+
+# Help of the options derived from GenerationConfig (and its SamplingParams): names, types and
+# defaults come from the fields.
+HELP = {
+    "max_new_tokens": "new tokens per request at most (clamped to the target's context); a checkpoint's "
+    "generation_config.json may set it",
+    "method": f"one of {', '.join(METHODS)}",
+    "budget": "DDTree node budget (root not counted)",
+    "temperature": "0: greedy; a checkpoint's generation_config.json may set it (with do_sample)",
+    "top_p": "1.0: off; a checkpoint's generation_config.json may set it (with do_sample)",
+    "top_k": "0: off; a checkpoint's generation_config.json may set it (with do_sample)",
+    "seed": "key of the sampling noise: a sampled run is reproducible from it",
+    "stop_tokens": "stop token id (repeatable); default: the checkpoint's eos_token_id (the kimi-nano "
+    f"demo: {KIMI_NANO_EOS}; --demo random: none)",
+    "stop_strings": "stop a request once its text contains S (repeatable; see below)",
+    "impl": f"one of {', '.join(IMPLS)}. ref: the torch reference; triton: the Triton kernels; hopper: the "
+    "Hopper attention kernel where it applies, Triton elsewhere (default: the fastest that applies)",
+    "cuda_graphs": "run every decoding round eagerly (default on CUDA with the kernels: rounds are "
+    "replayed from CUDA graphs captured after the first one; the tokens are the same)",
+}
+FLAGS = {"stop_tokens": "--stop", "stop_strings": "--stop-string"}
+FROM_GENERATION_CONFIG = ("max_new_tokens", "temperature", "top_p", "top_k")
 
 EPILOG = """\
 output:
   Streaming (the default) prints each request's text as its tokens are committed. Batch 1: the text
   as it comes, then a newline. Batch > 1: each piece of request b's text on its own line, prefixed
   "[b] ", in the order the pieces come (a newline inside the text starts a new "[b] " line).
-  --no-stream prints one "[b] text" line per request at the end. Then the stats line of each method.
+  --no-stream prints one "[b] text" line per request at the end. Then the stats line of each method;
+  with --compare, per method what a round costs in decode steps against the tokens it commits.
   Text is decoded incrementally (a character split across tokens is printed once complete), special
   tokens skipped unless --show-special-tokens. Without a tokenizer the text is the token ids.
 
 checkpoints:
   The model dir's generation_config.json, when present, gives the defaults of --temperature, --top-p,
   --top-k (taken when its do_sample is true, as in transformers), --max-new-tokens and the stop tokens
-  (eos_token_id; else config.json's); flags win. A line on stderr says what was taken.
+  (eos_token_id; else config.json's); flags win. A line on stderr says what was taken. Paths, prompts
+  and memory are checked before the weights are loaded.
 
 stop strings:
-  --stop-string S cuts a request's printed text before the first S (S itself is not printed). The
-  engine stops on token ids only, so the request keeps decoding up to its token limit or stop token
-  (the stats count those tokens). While streaming, an end of the text that could begin S is printed
-  once the next tokens show that it does not.
+  --stop-string S stops a request at the token whose text completes S: the engine decodes each
+  round's tokens as they arrive and the request commits nothing after that token (the stats count
+  tokens up to and including it). The printed text ends before S (S itself is not printed). While
+  streaming, an end of the text that could begin S is printed once the next tokens show that it
+  does not.
 """
 
 
@@ -63,9 +96,8 @@ class _PromptAction(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = EPILOG
+def _add_sources(parser: argparse.ArgumentParser) -> None:
+    """Where the models and prompts come from."""
     parser.add_argument("--model", help="target checkpoint dir (HF DeepSeek-V3 / Kimi-K2 format)")
     parser.add_argument("--drafter", help="DFlash drafter checkpoint dir (config.json + safetensors)")
     parser.add_argument(
@@ -84,53 +116,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="drafter of --demo random: a noisy oracle stand-in (default) or a random DFlash drafter",
     )
     parser.add_argument(
-        "--prompt",
-        dest="prompts",
-        action=_PromptAction,
-        const="text",
-        metavar="TEXT",
+        "--prompt", dest="prompts", action=_PromptAction, const="text", metavar="TEXT",
         help="prompt text (token ids separated by spaces without a tokenizer); repeat for a batch",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--prompt-ids",
-        dest="prompts",
-        action=_PromptAction,
-        const="ids",
-        metavar="IDS",
+        "--prompt-ids", dest="prompts", action=_PromptAction, const="ids", metavar="IDS",
         help='a prompt as token ids, e.g. "1 2 3", with or without a tokenizer (never templated by '
         "--chat); repeatable, mixes with --prompt in command-line order",
-    )
+    )  # fmt: skip
     parser.add_argument(
         "--chat",
         action="store_true",
         help="apply the tokenizer's chat template to each --prompt (one user message, with the "
         "generation prompt)",
     )
-    # --method and --impl are checked by GenerationConfig: a bad value is one line on stderr, exit 2.
-    parser.add_argument("--method", default="ddtree", metavar="{" + ",".join(METHODS) + "}")
-    parser.add_argument("--budget", type=int, default=32, help="DDTree node budget (root not counted)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="default 64 (or generation_config)")
-    parser.add_argument(
-        "--temperature", type=float, default=None, help="default 0: greedy (or generation_config)"
-    )
-    parser.add_argument("--top-p", type=float, default=None, help="default 1.0: off (or generation_config)")
-    parser.add_argument("--top-k", type=int, default=None, help="default 0: off (or generation_config)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--stop",
-        type=int,
-        action="append",
-        default=None,
-        help="stop token id (repeatable); default: the checkpoint's eos_token_id (none in the demo)",
-    )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """How to run and what to print (not part of GenerationConfig)."""
     parser.add_argument("--ignore-eos", action="store_true", help="no default stop token")
-    parser.add_argument(
-        "--stop-string",
-        action="append",
-        default=None,
-        metavar="S",
-        help="cut the printed text of a request before the first S (repeatable; see below)",
-    )
     parser.add_argument(
         "--show-special-tokens", action="store_true", help="keep special tokens in the printed text"
     )
@@ -142,8 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare",
         action="store_true",
-        help="also run DFlash (after DDTree) and autoregressive decoding; report speedups and "
-        "whether the outputs match",
+        help="also run DFlash (after DDTree) and autoregressive decoding; report speedups, what a "
+        "round costs, and whether the outputs match",
     )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
@@ -152,198 +156,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="default: bfloat16 on CUDA for checkpoints, float32 otherwise",
     )
-    parser.add_argument(
-        "--impl",
-        default=None,
-        metavar="{" + ",".join(IMPLS) + "}",
-        help="ref: the torch reference; triton: the Triton kernels; hopper: the Hopper attention kernel "
-        "where it applies, Triton elsewhere (default: the fastest that applies)",
-    )
     parser.add_argument("--no-stream", action="store_true", help="print the output only at the end")
     parser.add_argument("--no-stage-timing", action="store_true", help="skip the per-stage timers")
-    parser.add_argument(
-        "--no-cuda-graphs",
-        action="store_true",
-        help="run every decoding round eagerly (default on CUDA with the kernels: rounds are replayed "
-        "from CUDA graphs captured after the first one; the tokens are the same)",
-    )
 
 
-def _parse_ids(flag: str, text: str) -> list[int]:
-    try:
-        return [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
-    except ValueError:
-        raise ValueError(f"{flag}: expected token ids separated by spaces, got {text!r}") from None
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    _add_sources(parser)
+    add_config_arguments(parser, GenerationConfig, HELP, flags=FLAGS, deferred=FROM_GENERATION_CONFIG)
+    _add_run_options(parser)
 
 
-class _TokenizerJson:
-    """A tokenizer.json read by `tokenizers` alone, with the part of a transformers tokenizer's interface
-    that generate uses (no chat template). Used when transformers is not installed."""
-
-    chat_template = None
-
-    def __init__(self, tok) -> None:
-        self.tok = tok
-        self.all_special_ids = [i for i, t in tok.get_added_tokens_decoder().items() if t.special]
-
-    @classmethod
-    def load(cls, path: Path) -> _TokenizerJson:
-        from tokenizers import Tokenizer
-
-        try:
-            return cls(Tokenizer.from_file(str(path)))
-        except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception type
-            raise ValueError(f"tokenizer: cannot read {path}: {exc}") from None
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
-class _Tokenizer:
-    """Text <-> ids through a transformers tokenizer (or tokenizer.json alone when transformers is not
-    installed), or space-separated ids when there is none."""
-
-    def __init__(self, tok=None, source: str = "") -> None:
-        self.tok, self.source = tok, source
-
-    @classmethod
-    def load(cls, model_dir: str, trust_remote_code: bool = False) -> _Tokenizer:
-        """The model dir's tokenizer when it has tokenizer files, else the id-only one."""
-        if not any((Path(model_dir) / f).exists() for f in TOKENIZER_FILES):
-            return cls(None, model_dir)
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:
-            if (Path(model_dir) / "tokenizer.json").is_file() and not trust_remote_code:
-                return cls(_TokenizerJson.load(Path(model_dir) / "tokenizer.json"), model_dir)
-            missing = getattr(exc, "name", None) or "transformers"
-            raise ValueError(
-                f"tokenizer: reading the tokenizer files in {model_dir} needs transformers (cannot import "
-                f"{missing!r}); it comes with the [hf] extra: {HF_EXTRA}"
-            ) from None
-        try:
-            # trust_remote_code is always given: None would make transformers ask on stdin.
-            tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-        except ModuleNotFoundError as exc:  # e.g. tiktoken or sentencepiece for the tokenizer's own code
-            raise ValueError(
-                f"tokenizer: the tokenizer in {model_dir} needs the Python module {exc.name!r} "
-                "(pip install it)"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - anything transformers raises is one line here
-            if "trust_remote_code" in str(exc) and not trust_remote_code:
-                raise ValueError(
-                    f"tokenizer: the tokenizer in {model_dir} is custom code shipped with the checkpoint; "
-                    "pass --trust-remote-code to run it"
-                ) from None
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"tokenizer: cannot load the tokenizer in {model_dir}: {first}") from None
-        return cls(tok, model_dir)
-
-    @property
-    def all_special_ids(self) -> list[int]:
-        return list(getattr(self.tok, "all_special_ids", None) or ()) if self.tok is not None else []
-
-    def encode(self, text: str) -> list[int]:
-        if self.tok is not None:
-            return list(self.tok.encode(text))
-        try:
-            return [int(t) for t in text.split()]
-        except ValueError:
-            msg = f"--prompt: without a tokenizer a prompt is space-separated token ids, got {text!r}"
-            raise ValueError(msg) from None
-
-    def check_chat(self, demo: bool) -> None:
-        if self.tok is None:
-            where = "the demo has no tokenizer" if demo else f"{self.source} has no tokenizer files"
-            raise ValueError(f"--chat: needs a tokenizer with a chat template, and {where}")
-        if not getattr(self.tok, "chat_template", None):
-            raise ValueError(
-                f"--chat: the tokenizer in {self.source} has no chat template (no chat_template in "
-                "tokenizer_config.json, no chat_template.jinja); pass the prompt already formatted"
-            )
-
-    def chat(self, text: str) -> list[int]:
-        """The chat template applied to one user message, with the generation prompt, as ids (the
-        template writes the special tokens, so none are added by the encoding)."""
-        messages = [{"role": "user", "content": text}]
-        try:
-            formatted = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except ImportError as exc:  # transformers renders templates with jinja2
-            raise ValueError(f"--chat: applying the chat template needs {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a template that raises (e.g. on a role it rejects)
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"--chat: the chat template of {self.source} failed: {first}") from None
-        return list(self.tok.encode(formatted, add_special_tokens=False))
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self.tok is None:
-            return " ".join(map(str, ids))
-        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-
-def _generation_defaults(model_dir: str) -> dict:
-    """Defaults from model_dir/generation_config.json: temperature / top_p / top_k when do_sample is true
-    (transformers ignores them otherwise), max_new_tokens, and "stop" from eos_token_id."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{path}: invalid JSON at line {exc.lineno} column {exc.colno} ({exc.msg})"
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: cannot read it ({exc})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-
-    def get(key: str, kind: str):
-        v = d.get(key)
-        ok = is_int(v) if kind == "an int" else isinstance(v, (int, float)) and not isinstance(v, bool)
-        if v is not None and not ok:
-            raise ValueError(f"generation_config.json: {key} must be {kind}, got {v!r} ({path})")
-        return v
-
-    out = {}
-    if d.get("do_sample") is True:
-        temperature = get("temperature", "a number")
-        out["temperature"] = 1.0 if temperature is None else temperature
-        for key, kind in (("top_p", "a number"), ("top_k", "an int")):
-            if get(key, kind) is not None:
-                out[key] = d[key]
-    if get("max_new_tokens", "an int") is not None:
-        out["max_new_tokens"] = d["max_new_tokens"]
-    eos = d.get("eos_token_id")
-    if eos is not None:
-        eos = [eos] if not isinstance(eos, list) else eos
-        if not all(is_int(t) and t >= 0 for t in eos):
-            raise ValueError(f"generation_config.json: eos_token_id must be token ids, got {eos!r} ({path})")
-        out["stop"] = tuple(eos)
-    return out
+# --- arguments -----------------------------------------------------------------------------------
 
 
 def _config(args, defaults: dict | None = None) -> GenerationConfig:
-    """The GenerationConfig of the arguments; a flag left out takes defaults[name] (a checkpoint's
-    generation_config.json), else DEFAULTS. Stop tokens: --stop only; _load adds a checkpoint's eos."""
-    value = {k: getattr(args, k) for k in DEFAULTS}
-    for k, v in value.items():
-        if v is None:
-            value[k] = (defaults or {}).get(k, DEFAULTS[k])
-    sampling = SamplingParams(temperature=value["temperature"], top_p=value["top_p"], top_k=value["top_k"])
-    return GenerationConfig(
-        max_new_tokens=value["max_new_tokens"],
-        method=args.method,
-        budget=args.budget,
-        sampling=sampling,
-        seed=args.seed,
-        stop_tokens=tuple(args.stop or ()),
-        impl=args.impl,
-        cuda_graphs=False if args.no_cuda_graphs else None,
-    )
+    """The GenerationConfig of the arguments; an option left out takes defaults[field] (a checkpoint's
+    generation_config.json and eos token), else the field's default."""
+    return config_from_args(GenerationConfig, args, defaults)
 
 
 def _methods(args) -> list[str]:
@@ -356,18 +187,15 @@ def _methods(args) -> list[str]:
     return methods
 
 
-def _check_impl_device(impl: str | None, device: str) -> None:
-    """Triton kernels need a CUDA device (or the interpreter, TRITON_INTERPRET=1, as the tests use)."""
-    if kernels_unavailable(impl, "cuda" if device.startswith("cuda") else "cpu"):
-        raise ValueError(f"--impl {impl}: needs --device cuda (a CUDA GPU); use --impl ref on the CPU")
-
-
 def _check_device(name: str) -> None:
+    """--device: cpu, cuda or cuda:N with a GPU there."""
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
         raise ValueError(f"--device: {name!r} is not a device (cpu, cuda, cuda:N)") from None
-    if device.type != "cuda":
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: kdtree-engine runs on cpu or cuda (cuda:N), not {device.type}")
+    if device.type == "cpu":
         return
     if not torch.cuda.is_available():
         raise ValueError(f"--device {name}: no CUDA GPU is available to torch here; use --device cpu")
@@ -375,29 +203,25 @@ def _check_device(name: str) -> None:
         raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
 
 
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+def _check_impl_device(impl: str | None, device: str) -> None:
+    """Triton kernels need a CUDA device (or the interpreter, TRITON_INTERPRET=1, as the tests use)."""
+    if kernels_unavailable(impl, "cuda" if device.startswith("cuda") else "cpu"):
+        raise ValueError(f"--impl {impl}: needs --device cuda (a CUDA GPU); use --impl ref on the CPU")
 
 
-@dataclass
-class _Session:
-    """The loaded models, the tokenizer, the checked prompts, the configuration and the text options."""
-
-    target: object
-    drafter: object | None
-    tokenizer: _Tokenizer
-    prompts: list[list[int]]
-    config: GenerationConfig
-    stop_strings: tuple[str, ...] = ()
-    skip_special_tokens: bool = True
+def _parse_ids(flag: str, text: str) -> list[int]:
+    try:
+        return [int(t) for t in re.split(r"[\s,]+", text.strip()) if t]
+    except ValueError:
+        raise ValueError(f"{flag}: expected token ids separated by spaces, got {text!r}") from None
 
 
-def _prompts(args, tok: _Tokenizer, demo: bool) -> list[list[int]]:
-    items = args.prompts or []
+def _prompts(args, tok: Tokenizer, chat_missing: str | None = None) -> list[list[int]]:
+    """The prompts as token ids, in command-line order (--chat applies the chat template to texts)."""
     if args.chat:
-        tok.check_chat(demo)
+        tok.check_chat(chat_missing)
     out = []
-    for kind, value in items:
+    for kind, value in args.prompts or []:
         if kind == "ids":
             out.append(_parse_ids("--prompt-ids", value))
         else:
@@ -405,12 +229,46 @@ def _prompts(args, tok: _Tokenizer, demo: bool) -> list[list[int]]:
     return out
 
 
-def _random_demo(args, config: GenerationConfig, methods: list[str], text: dict) -> _Session:
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _note_clamped(config: GenerationConfig, prompts: list[list[int]], context: int | None) -> None:
+    """One line on stderr when max_new_tokens does not fit the target's context after a prompt."""
+    limits = request_limits([len(p) for p in prompts], config.max_new_tokens, context)
+    if min(limits) >= config.max_new_tokens:
+        return
+    r = limits.index(min(limits))
+    _progress(
+        f"max_new_tokens: {config.max_new_tokens} is past the target's context of {context} positions; "
+        f"each request stops at its end (request {r}: {len(prompts[r])} prompt tokens, at most "
+        f"{limits[r]} new)"
+    )
+
+
+# --- sessions --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Session:
+    """The loaded models, the tokenizer, the checked prompts, the configuration and the text options;
+    intro: what to print on stdout before the first run (the demo's prompt)."""
+
+    target: object
+    drafter: object | None
+    tokenizer: Tokenizer
+    prompts: list[list[int]]
+    config: GenerationConfig
+    skip_special_tokens: bool = True
+    intro: str = ""
+
+
+def _random_demo(args, config: GenerationConfig, methods: list[str]) -> _Session:
     """`--demo random`: the seeded tiny random target and a stand-in (or random) drafter, token ids."""
     from kdtree_engine.engine import demo as d
 
-    tok = _Tokenizer(None)
-    prompts = _prompts(args, tok, demo=True) or [list(d.DEMO_PROMPT)]
+    tok = Tokenizer(None, "the demo")
+    prompts = _prompts(args, tok, "the demo has no tokenizer") or [list(d.DEMO_PROMPT)]
     dtype = DTYPES[args.dtype or "float32"]
     if args.device == "cpu":
         torch.set_num_threads(1)  # a tiny model: more threads only add synchronization
@@ -418,48 +276,104 @@ def _random_demo(args, config: GenerationConfig, methods: list[str], text: dict)
     cfg = target.config
     prompts = check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)  # before the oracle
     check_stop_tokens(config.stop_tokens, cfg.vocab_size)
+    _note_clamped(config, prompts, cfg.max_position_embeddings)
     drafter = None
     if methods != ["autoregressive"]:
-        drafter = d.demo_drafter(args.demo_drafter or "oracle", target, prompts, config.max_new_tokens)
-    return _Session(target, drafter, tok, prompts, config, **text)
+        horizon = max(
+            request_limits([len(p) for p in prompts], config.max_new_tokens, cfg.max_position_embeddings)
+        )
+        drafter = d.demo_drafter(args.demo_drafter or "oracle", target, prompts, horizon)
+    return _Session(target, drafter, tok, prompts, config, not args.show_special_tokens)
 
 
-def _kimi_nano_args(args) -> argparse.Namespace:
-    """The arguments of the default demo: the embedded kimi-nano folders as --model and --drafter and,
-    without a prompt, the first held-out code-completion prompt (printed first)."""
+def _kimi_nano_args(args) -> tuple[argparse.Namespace, str]:
+    """(the arguments of the default demo, the intro to print): the embedded kimi-nano folders as --model
+    and --drafter and, without a prompt, the first held-out code-completion prompt."""
     from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH, heldout_prompts
 
     if args.model is not None or args.drafter is not None:
         raise ValueError("--demo: the demo brings its own model and drafter; drop --model/--drafter")
     args = argparse.Namespace(**vars(args))
     args.model, args.drafter = str(KIMI_NANO), str(KIMI_NANO_DFLASH)
-    if not args.prompts:
-        prompt = heldout_prompts()[0]
-        args.prompts = [("text", prompt["text"])]
-        print(f"--- prompt: held-out code from the Python standard library ({prompt['source']}) ---")
-        print(prompt["text"])
-    return args
+    if args.prompts:
+        args.prompts = [(kind, _as_training_text(kind, value)) for kind, value in args.prompts]
+        return args, ""
+    prompt = heldout_prompts()[0]
+    args.prompts = [("text", prompt["text"])]
+    intro = (
+        f"--- prompt: held-out code from the Python standard library ({prompt['source']}); it ends with a "
+        "def line, before its newline, as training text goes on: the model writes the body ---\n"
+        f"{prompt['text']}"
+    )
+    return args, intro
 
 
-def _load(args) -> _Session:
-    """Checks every argument that needs no model first (nothing is printed or loaded before), then loads."""
-    _check_device(args.device)
-    _check_impl_device(args.impl, args.device)
-    config = _config(args)  # bad flags fail here, before any file is read
-    stop_strings = tuple(args.stop_string or ())
-    if any(not s for s in stop_strings):
-        raise ValueError("--stop-string: expected a non-empty string")
-    text = {"stop_strings": stop_strings, "skip_special_tokens": not args.show_special_tokens}
-    methods = _methods(args)
-    demo = args.demo or ("kimi-nano" if args.model is None and args.drafter is None else None)
-    if args.demo_drafter and demo != "random":
-        raise ValueError("--demo-drafter: only with --demo random (kimi-nano has its trained drafter)")
-    if demo == "random":
-        return _random_demo(args, config, methods, text)
-    if demo == "kimi-nano":
-        args = _kimi_nano_args(args)
+def _as_training_text(kind: str, text: str) -> str:
+    """A kimi-nano text prompt without the newlines at its end: its BPE merges a newline with the next
+    line's indentation, so no training text has a bare newline before a body, and after one the model
+    skips the body. Said on stderr when it happens."""
+    if kind != "text" or not text.endswith("\n") or not text.strip():
+        return text
+    _progress(
+        "--prompt: the newline at its end is dropped: kimi-nano's tokenizer merges a newline with the "
+        "next line's indentation, so the model writes both itself"
+    )
+    return text.rstrip("\n")
+
+
+def _checkpoint_config(args, checkpoints: Checkpoints) -> tuple[GenerationConfig, str]:
+    """(the GenerationConfig of the arguments over the checkpoint's defaults, the line that says what
+    generation_config.json gave). Stop tokens: --stop, else none with --ignore-eos, else the
+    checkpoint's eos."""
+    defaults = dict(checkpoints.defaults)
+    taken = [
+        f"stop tokens {list(v)}" if k == "stop_tokens" else f"{k} {v}"
+        for k, v in defaults.items()
+        if getattr(args, k) is None and not (k == "stop_tokens" and args.ignore_eos)
+    ]
+    note = f"generation_config.json: {', '.join(taken)} (flags override)" if taken else ""
+    defaults.setdefault("stop_tokens", eos_tokens(checkpoints.target_config))
+    if args.ignore_eos:
+        defaults["stop_tokens"] = ()
+    return _config(args, defaults), note
+
+
+def _check_memory_first(
+    checkpoints: Checkpoints, config: GenerationConfig, prompts, methods, dtype, device: str
+) -> None:
+    """Each method's caches and largest buffers plus the weights, against the free memory of device,
+    before anything is loaded (engine.memory; a ValueError naming the field to lower)."""
+    cfg, where = checkpoints.target_config, torch.device(device)
+    drafter_config = checkpoints.drafter_config if methods != ["autoregressive"] else None
+    weights = weights_bytes(cfg, dtype, drafter_config)
+    lengths = [len(p) for p in prompts]
+    limits = request_limits(lengths, config.max_new_tokens, cfg.max_position_embeddings)
+    for method in methods:
+        block = checkpoints.block_size if method != "autoregressive" else 1
+        budget = replace(config, method=method).tree_budget(block)
+        needs = generation_needs(
+            cfg,
+            dtype,
+            prompt_lengths=lengths,
+            max_len=cache_rows(lengths, limits, method, budget, block),
+            budget=budget,
+            block_size=block,
+            reference_attention=resolve_impl(config.impl, where) == "ref",
+            drafter_config=drafter_config if block > 1 else None,
+        )
+        check_memory(
+            where, {**needs, "dtype": (f"the weights in {str(dtype).removeprefix('torch.')}", weights)}
+        )
+
+
+def _checkpoint_session(args, config: GenerationConfig, methods: list[str], intro: str) -> _Session:
+    """--model / --drafter (or the kimi-nano demo's folders): paths, configs, tokenizer, prompts and
+    memory are checked first; then the weights are loaded."""
     if args.model is None:
         raise ValueError("--model: a target checkpoint is required unless --demo is given")
+    checkpoint_dir(args.model, "--model")
+    if args.drafter:
+        checkpoint_dir(args.drafter, "--drafter", drafter=True)
     if methods != ["autoregressive"] and not args.drafter:
         raise ValueError(
             f"--drafter: method {args.method!r} needs a DFlash drafter checkpoint "
@@ -467,40 +381,45 @@ def _load(args) -> _Session:
         )
     if not args.prompts:
         raise ValueError("--prompt: give at least one prompt (--prompt TEXT or --prompt-ids IDS)")
-    defaults = _generation_defaults(args.model)
-    config = _config(args, defaults)
-    tok = _Tokenizer.load(args.model, args.trust_remote_code)
-    prompts = _prompts(args, tok, demo=False)
-    flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-             "top_k": args.top_k, "stop": args.stop or (() if args.ignore_eos else None)}  # fmt: skip
-    taken = [
-        f"{k} {v}" if k != "stop" else f"stop tokens {list(v)}"
-        for k, v in defaults.items()
-        if flags[k] is None
-    ]
-    if taken:
-        _progress(f"generation_config.json: {', '.join(taken)} (flags override)")
-
-    from kdtree_engine.drafter import load_drafter
-    from kdtree_engine.model import load_model
-
-    dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
-    _progress(f"loading target from {args.model} ...")
-    target = load_model(args.model, dtype=dtype, device=args.device)
-    drafter = None
-    if args.drafter:
-        _progress(f"loading drafter from {args.drafter} ...")
-        drafter = load_drafter(args.drafter, dtype=dtype, device=args.device)
-    if not (args.stop or args.ignore_eos):  # a checkpoint stops at its eos token by default
-        eos = defaults.get("stop", target.config.eos_token_id)
-        eos = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        config = replace(config, stop_tokens=eos)
-    cfg = target.config
-    prompts = check_prompts(prompts, cfg.vocab_size, cfg.max_position_embeddings)
+    checkpoints = read_checkpoints(
+        args.model, args.drafter, model_argument="--model", drafter_argument="--drafter"
+    )
+    config, note = _checkpoint_config(args, checkpoints)
+    tok = load_tokenizer(args.model, args.trust_remote_code)
+    cfg = checkpoints.target_config
+    prompts = check_prompts(_prompts(args, tok), cfg.vocab_size, cfg.max_position_embeddings)
     check_stop_tokens(config.stop_tokens, cfg.vocab_size)
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
+    _check_memory_first(checkpoints, config, prompts, methods, dtype, args.device)
+    if note:
+        _progress(note)
+    _note_clamped(config, prompts, cfg.max_position_embeddings)
+    if methods == ["autoregressive"]:
+        checkpoints = replace(checkpoints, drafter_dir=None, drafter_config=None)
+    target, drafter = load_checkpoints(checkpoints, dtype, args.device, _progress)
     for method in methods:
         check_drafter(target, drafter, method)
-    return _Session(target, drafter, tok, prompts, config, **text)
+    return _Session(target, drafter, tok, prompts, config, not args.show_special_tokens, intro)
+
+
+def _load(args) -> _Session:
+    """Checks every argument that needs no file first, then the demo's or the checkpoints' session."""
+    _check_device(args.device)
+    _check_impl_device(args.impl, args.device)
+    config = _config(args)  # bad flags fail here, before any file is read
+    methods = _methods(args)
+    demo = args.demo or ("kimi-nano" if args.model is None and args.drafter is None else None)
+    if args.demo_drafter and demo != "random":
+        raise ValueError("--demo-drafter: only with --demo random (kimi-nano has its trained drafter)")
+    if demo == "random":
+        return _random_demo(args, config, methods)
+    intro = ""
+    if demo == "kimi-nano":
+        args, intro = _kimi_nano_args(args)
+    return _checkpoint_session(args, config, methods, intro)
+
+
+# --- runs ------------------------------------------------------------------------------------------
 
 
 class _Printer:
@@ -508,10 +427,8 @@ class _Printer:
 
     def __init__(self, session: _Session, stream: bool) -> None:
         self.stream, self.batch = stream, len(session.prompts)
-        self.texts = [
-            TextStream(session.tokenizer, session.stop_strings, session.skip_special_tokens)
-            for _ in range(self.batch)
-        ]
+        stops, skip = session.config.stop_strings, session.skip_special_tokens
+        self.texts = [TextStream(session.tokenizer, stops, skip) for _ in range(self.batch)]
 
     def on_tokens(self, b: int, tokens: list[int]) -> None:
         self._write(b, self.texts[b].push(tokens))
@@ -541,17 +458,19 @@ class _Printer:
             print(f"[{b}] {text.text}")
 
 
+def _generate(session: _Session, method: str, **kwargs) -> GenerationOutput:
+    config = replace(session.config, method=method)
+    return generate(
+        session.target, session.drafter, session.prompts, config, tokenizer=session.tokenizer, **kwargs
+    )
+
+
 def _run(session: _Session, method: str, stream: bool, stage_timing: bool) -> GenerationOutput:
     printer = _Printer(session, stream)
-    config = replace(session.config, method=method)
-    print(f"--- {method}" + (f" (budget {config.budget})" if method == "ddtree" else "") + " ---")
-    out = generate(
-        session.target,
-        session.drafter,
-        session.prompts,
-        config,
-        on_tokens=printer.on_tokens if stream else None,
-        stage_timing=stage_timing,
+    budget = f" (budget {session.config.budget})" if method == "ddtree" else ""
+    print(f"--- {method}{budget} ---")
+    out = _generate(
+        session, method, on_tokens=printer.on_tokens if stream else None, stage_timing=stage_timing
     )
     printer.finish(out)
     print(out.stats.summary())
@@ -559,12 +478,17 @@ def _run(session: _Session, method: str, stream: bool, stage_timing: bool) -> Ge
 
 
 def _warm_up(session: _Session, methods: list[str]) -> None:
-    """On a GPU, one untimed run per method first, so that no timed run pays for compiling kernels."""
-    if session.target.device.type != "cuda":
+    """Before timed runs: on a GPU one untimed run per method (kernel compilation); on the CPU a few
+    tokens per method (torch's first calls of each shape cost more than the later ones)."""
+    if session.target.device.type == "cuda":
+        print("(GPU: one untimed warm-up run per method compiles the kernels first)")
+        for method in methods:
+            _generate(session, method)
         return
-    print("(GPU: one untimed warm-up run per method compiles the kernels first)")
+    short = replace(session.config, max_new_tokens=min(session.config.max_new_tokens, 4))
     for method in methods:
-        generate(session.target, session.drafter, session.prompts, replace(session.config, method=method))
+        generate(session.target, session.drafter, session.prompts, replace(short, method=method),
+                 tokenizer=session.tokenizer, stage_timing=False)  # fmt: skip
 
 
 def _explain(session: _Session, method: str, base: GenerationOutput, out: GenerationOutput) -> bool:
@@ -579,8 +503,10 @@ def _explain(session: _Session, method: str, base: GenerationOutput, out: Genera
 
 
 def _compare(runs: dict[str, GenerationOutput], greedy: bool, session: _Session | None = None) -> int:
-    """Exit code 1 when a greedy output differs from autoregressive decoding's in a way that a near-tie
-    of the target's logits (rounding of a verify forward against a decode step) does not explain."""
+    """Prints each method against autoregressive decoding (forwards, tau, speedup, identical output)
+    and what its round costs in decode steps against what it commits. Exit code 1 when a greedy output
+    differs in a way that a near-tie of the target's logits (rounding of a verify forward against a
+    decode step) does not explain."""
     base = runs["autoregressive"]
     print("--- compare with autoregressive ---")
     same_all = True
@@ -596,6 +522,7 @@ def _compare(runs: dict[str, GenerationOutput], greedy: bool, session: _Session 
             f"({fwd:.2f}x fewer), mean accepted length {out.stats.mean_accept_len:.2f}, "
             f"wall time speedup {speed:.2f}x, output {verdict}"
         )
+        print(f"{'':>8}  {round_cost(out.stats, base.stats)}")
         if greedy and not same:
             same_all &= session is not None and _explain(session, method, base, out)
     if not greedy:
@@ -605,16 +532,14 @@ def _compare(runs: dict[str, GenerationOutput], greedy: bool, session: _Session 
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
-        session = _load(args)
-        methods = _methods(args)
-        timing = not args.no_stage_timing
-        if len(methods) > 1:
-            _warm_up(session, methods)
-        runs = {m: _run(session, m, not args.no_stream, timing) for m in methods}
-    except ValueError as exc:
-        print(f"kdtree-engine generate: {exc}", file=sys.stderr)
-        return 2
+    session = _load(args)
+    methods = _methods(args)
+    if session.intro:
+        print(session.intro)
+    if len(methods) > 1:
+        _warm_up(session, methods)
+    timing = not args.no_stage_timing
+    runs = {m: _run(session, m, not args.no_stream, timing) for m in methods}
     if "autoregressive" in runs and len(runs) > 1:
         return _compare(runs, greedy=session.config.sampling.greedy, session=session)
     return 0

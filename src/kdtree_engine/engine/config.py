@@ -13,24 +13,30 @@ from kdtree_engine.engine.sampling import SamplingParams
 from kdtree_engine.impl import check_impl
 
 METHODS = ("autoregressive", "dflash", "ddtree")
+# A budget past this is no real request: one request's ancestor mask alone would take N^2 = 2^40 bytes
+# (1 TiB). Memory checks in generate() catch the smaller budgets that do not fit.
+MAX_BUDGET = 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationConfig:
     """How to generate.
 
-    max_new_tokens: new tokens per request at most (a request also stops after a stop token and at the
-        target's context length).
+    max_new_tokens: new tokens per request at most (a request also stops after a stop token or a stop
+        string and at the target's context length).
     method: "autoregressive" (no drafter), "dflash" (one chain of the drafter's L = block_size - 1
         positions) or "ddtree" (a best-first tree of `budget` nodes).
-    budget: DDTree nodes per round, root not counted; None means L. 0 verifies the root only (one token
-        per round). Ignored by "autoregressive" and "dflash".
+    budget: DDTree nodes per round, root not counted, at most MAX_BUDGET; None means L. 0 verifies the
+        root only (one token per round). Ignored by "autoregressive" and "dflash".
     sampling: temperature 0 is greedy; otherwise the target's token at every node is sampled (tempered,
         top-k, top-p).
     seed: key of the sampled mode's counter-based noise (any int >= -2**63, taken mod 2**64), so a run
         is reproducible.
     stop_tokens: token ids that end a request (the stop token is kept in the output); any iterable of
         ints, stored as a tuple (for a checkpoint, typically its eos_token_id).
+    stop_strings: texts that end a request: it stops at the token whose text completes one of them
+        (that token is kept in the output; the text after it is never generated). generate() then needs
+        a `tokenizer` to read the text (as transformers' stop_strings, vLLM's SamplingParams.stop).
     impl: "ref", "triton", "hopper" or None (the fastest that applies), passed unchanged to the target
         forward and to the tree ops (see kdtree_engine.impl).
     cuda_graphs: capture each stage of a decoding round in a CUDA graph after the first round and
@@ -38,12 +44,13 @@ class GenerationConfig:
         (same tokens), True requires a CUDA target and a kernel impl.
     """
 
-    max_new_tokens: int
+    max_new_tokens: int = 64
     method: str = "ddtree"
-    budget: int | None = None
+    budget: int | None = 32
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
     impl: str | None = None
     cuda_graphs: bool | None = None
 
@@ -52,9 +59,10 @@ class GenerationConfig:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens!r}")
-        if self.budget is not None and (not is_int(self.budget) or self.budget < 0):
+        if self.budget is not None and (not is_int(self.budget) or not 0 <= self.budget <= MAX_BUDGET):
             raise ValueError(
-                f"budget: expected None or an int >= 0 for method {self.method!r}, got {self.budget!r}"
+                f"budget: expected None or an int in [0, {MAX_BUDGET}] for method {self.method!r}, "
+                f"got {self.budget!r}"
             )
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling: expected a SamplingParams, got {type(self.sampling).__name__}")
@@ -66,6 +74,7 @@ class GenerationConfig:
             raise ValueError(f"stop_tokens: expected token ids, got {self.stop_tokens!r}") from None
         if not all(is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_tokens: expected ints >= 0, got {self.stop_tokens!r}")
+        strings = _stop_strings(self.stop_strings)
         check_impl(self.impl)
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs: expected None, True or False, got {self.cuda_graphs!r}")
@@ -73,6 +82,7 @@ class GenerationConfig:
         object.__setattr__(self, "budget", None if self.budget is None else int(self.budget))
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in stops))
+        object.__setattr__(self, "stop_strings", strings)
 
     def tree_budget(self, block_size: int) -> int:
         """Nodes verified per round besides the root, for a drafter of `block_size` (bonus + L drafted
@@ -85,4 +95,14 @@ class GenerationConfig:
         return self.budget
 
 
-__all__ = ["METHODS", "GenerationConfig"]
+def _stop_strings(value) -> tuple[str, ...]:
+    """stop_strings as a tuple of non-empty str; one str alone is refused (it would iterate by
+    character), as are empty strings (they would stop every request at once)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_strings: expected a tuple or list of strings, got {value!r}")
+    if not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"stop_strings: expected non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+__all__ = ["MAX_BUDGET", "METHODS", "GenerationConfig"]

@@ -13,6 +13,10 @@ allocated once (`_State`): no stage reads a tensor on the host, and the batch ke
 request is done (a finished row keeps running but commits nothing). So every stage can be captured in a
 CUDA graph after the first round and replayed (`_Graphs`); the host reads the round's committed tokens
 with one device-to-host copy per round. Eager rounds run the same code, so they give the same tokens.
+
+The host hands each request its committed tokens and finishes a request at its token limit, after a
+stop token, or at the token whose text completes a stop string (decoded as the tokens arrive, from
+that same per-round copy); a finished request's row stays in the batch and commits nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import torch
 
 from kdtree_engine.engine import checks
 from kdtree_engine.engine.config import METHODS, GenerationConfig
+from kdtree_engine.engine.memory import cache_rows, generation_needs, request_limits
 from kdtree_engine.engine.sampling import accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
+from kdtree_engine.engine.text import StopStringMatcher
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
 from kdtree_engine.ref.sampling import stream_key_table
@@ -43,26 +49,43 @@ class GenerationOutput:
 
 
 class _Requests:
-    """Committed output per request; a request stops at its token limit or after a stop token."""
+    """Committed output per request; a request stops at its token limit, after a stop token, or at the
+    token that completes a stop string (matchers: one StopStringMatcher per request, or None)."""
 
-    def __init__(self, limits: list[int], stops: frozenset[int], on_tokens: OnTokens | None) -> None:
+    def __init__(
+        self,
+        limits: list[int],
+        stops: frozenset[int],
+        on_tokens: OnTokens | None,
+        matchers: list[StopStringMatcher] | None = None,
+    ) -> None:
         self.tokens: list[list[int]] = [[] for _ in limits]
-        self.limits, self.stops, self.on_tokens = limits, stops, on_tokens
+        self.limits, self.stops, self.on_tokens, self.matchers = limits, stops, on_tokens, matchers
         self.active = [n > 0 for n in limits]
 
-    def commit(self, b: int, new: list[int]) -> None:
-        room = self.limits[b] - len(self.tokens[b])
-        new = new[:room]
-        for i, t in enumerate(new):
-            if t in self.stops:
-                new = new[: i + 1]
-                self.active[b] = False
-                break
+    def commit(self, b: int, new: list[int]) -> int:
+        """Appends what request b keeps of `new` (its tokens of the round, in order) and streams it;
+        returns how many tokens it kept."""
+        new = new[: self.limits[b] - len(self.tokens[b])]
+        end = self._stop(b, new)
+        if end is not None:
+            new = new[:end]
+            self.active[b] = False
         self.tokens[b].extend(new)
         if len(self.tokens[b]) >= self.limits[b]:
             self.active[b] = False
         if self.on_tokens is not None and new:
             self.on_tokens(b, new)
+        return len(new)
+
+    def _stop(self, b: int, new: list[int]) -> int | None:
+        """How many of `new` to keep when a stop token or a stop string ends request b in them: up to
+        and including the first stop token or the token completing a stop string, whichever is first."""
+        end = next((i + 1 for i, t in enumerate(new) if t in self.stops), None)
+        if self.matchers is not None:
+            hit = self.matchers[b].feed(new[:end])
+            end = hit if hit is not None else end
+        return end
 
 
 def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
@@ -183,7 +206,7 @@ class _Stages:
         device = state.start.device
         if not run.config.sampling.greedy and _use_graphs(run, device):
             # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
-            table = stream_key_table(run.noise_seed, run.config.max_new_tokens + 2)
+            table = stream_key_table(run.noise_seed, max(run.reqs.limits) + 2)  # draws <= rounds + 1
             self.keys = table.to(device)
             self.draw = torch.tensor([run.draws], device=device)
         accept_capturable = run.config.sampling.greedy or self.keys is not None
@@ -306,7 +329,8 @@ class _Graphs:
 
 
 def _use_graphs(run: _Run, device: torch.device) -> bool:
-    """config.cuda_graphs, or by default: on CUDA with a kernel impl (the "ref" ops read values on the host)."""
+    """config.cuda_graphs, or by default: on CUDA with a kernel impl (the "ref" ops read values on the
+    host)."""
     wanted = run.config.cuda_graphs
     possible = device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
     if wanted and not possible:
@@ -335,13 +359,14 @@ class _HostCopy:
 
 
 def _commit(run: _Run, state: _State, tokens: list[list[int]], counts: list[int]) -> None:
-    """Hands each running request its tokens of the round; tells the device which requests are done."""
+    """Hands each running request its tokens of the round; tells the device which requests are done.
+    The stats count what a request kept (a round past its limit or stop keeps fewer than it accepted)."""
     was = list(run.reqs.active)
     for r, (toks, n) in enumerate(zip(tokens, counts)):
         if was[r]:
+            kept = run.reqs.commit(r, toks[:n])
             if run.config.method != "autoregressive":
-                run.stats.accept_lengths.append(n)
-            run.reqs.commit(r, toks[:n])
+                run.stats.accept_lengths.append(kept)
     if run.reqs.active != was:
         state.active.copy_(torch.tensor(run.reqs.active), non_blocking=False)
 
@@ -368,18 +393,24 @@ def _decode(run: _Run, state: _State, device: torch.device) -> None:
             run.stats.capture_time = run.timer.now() - t0
 
 
-def _memory_needs(target, drafter, batch: int, max_len: int, budget: int, block_size: int) -> dict:
-    """The largest buffers of a call, by the GenerationConfig field that sizes them (for check_memory)."""
-    c = target.config
-    cache = c.num_hidden_layers * batch * max_len * c.latent_dim * target.dtype.itemsize
-    nodes = budget + 1
-    # verify logits in the model dtype and float32, the visibility mask, the MLA queries
-    verify = batch * nodes * (c.vocab_size * (target.dtype.itemsize + 4) + nodes)
-    verify += batch * nodes * c.num_attention_heads * c.latent_dim * target.dtype.itemsize * 2
-    needs = {"max_new_tokens": ("the latent cache", cache), "budget": ("a verify forward", verify)}
-    if drafter is not None:
-        needs["method"] = ("the draft logits", batch * (block_size - 1) * c.vocab_size * 4 * 2)
-    return needs
+def _drafter_config(drafter):
+    """The drafter's DFlashConfig (for the size of its cache), or None for a stand-in without one."""
+    from kdtree_engine.drafter.config import DFlashConfig
+
+    config = getattr(drafter, "config", None)
+    return config if isinstance(config, DFlashConfig) else None
+
+
+def _stop_matchers(config: GenerationConfig, tokenizer, batch: int) -> list[StopStringMatcher] | None:
+    """One StopStringMatcher per request when config.stop_strings is set (they need the tokenizer)."""
+    if not config.stop_strings:
+        return None
+    if tokenizer is None or not callable(getattr(tokenizer, "decode", None)):
+        raise ValueError(
+            "tokenizer: config.stop_strings needs the tokenizer that reads the output "
+            "(anything with decode(ids, skip_special_tokens=...)), e.g. engine.load_tokenizer(model_dir)"
+        )
+    return [StopStringMatcher(tokenizer, config.stop_strings) for _ in range(batch)]
 
 
 def generate(
@@ -390,6 +421,7 @@ def generate(
     *,
     on_tokens: OnTokens | None = None,
     stage_timing: bool = True,
+    tokenizer=None,
 ) -> GenerationOutput:
     """Generate up to config.max_new_tokens new tokens per prompt with config.method.
 
@@ -399,9 +431,13 @@ def generate(
     config: a GenerationConfig. Greedy decoding (temperature 0) commits the target's argmax at every
     position with every method; sampled decoding draws each target token independently, keyed by
     config.seed and one offset per draw, so a run is reproducible. A request stops after a token in
-    config.stop_tokens (kept) or at the target's context limit. on_tokens(b, tokens) streams each
-    request's newly committed tokens. stage_timing=False skips the per-stage timers (and their device
-    syncs); the wall time is still taken. Returns GenerationOutput(tokens [B][n_b] new tokens, stats).
+    config.stop_tokens (kept), at the token whose text completes one of config.stop_strings (kept; the
+    text is decoded with `tokenizer`, anything with decode(ids, skip_special_tokens=...), special tokens
+    skipped), or at the target's context limit. on_tokens(b, tokens) streams each request's newly
+    committed tokens. stage_timing=False skips the per-stage timers (and their device syncs); the wall
+    time is still taken. Memory for the caches and the largest buffers is checked before anything is
+    allocated (a ValueError naming the field to lower). Returns GenerationOutput(tokens [B][n_b] new
+    tokens, stats).
     """
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config: expected a GenerationConfig, got {type(config).__name__}")
@@ -411,17 +447,27 @@ def generate(
     checks.check_drafter(target, drafter, method)
     prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
     stops = checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
+    matchers = _stop_matchers(config, tokenizer, len(prompts))
     block_size = drafter.block_size if method != "autoregressive" else 1
     budget = config.tree_budget(block_size)
-    limits = [max_new_tokens if limit is None else min(max_new_tokens, limit - len(p)) for p in prompts]
-    # The last round of a request may write a whole tree past its limit (the requests stop there).
-    margin = 2 if method == "autoregressive" else budget + block_size + 2
-    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + margin
+    lengths = [len(p) for p in prompts]
+    limits = request_limits(lengths, max_new_tokens, limit)
+    max_len = cache_rows(lengths, limits, method, budget, block_size)
     device = target.lm_head.weight.device
-    checks.check_memory(device, _memory_needs(target, drafter, len(prompts), max_len, budget, block_size))
+    needs = generation_needs(
+        cfg,
+        target.dtype,
+        prompt_lengths=lengths,
+        max_len=max_len,
+        budget=budget,
+        block_size=block_size,
+        reference_attention=resolve_impl(config.impl, device) == "ref",
+        drafter_config=_drafter_config(drafter),
+    )
+    checks.check_memory(device, needs)
     stats = GenerationStats(method=method, batch_size=len(prompts))
     timer = StageTimer(device, enabled=stage_timing)
-    reqs = _Requests(limits=limits, stops=stops, on_tokens=on_tokens)
+    reqs = _Requests(limits=limits, stops=stops, on_tokens=on_tokens, matchers=matchers)
     if not any(reqs.active):
         return GenerationOutput(tokens=reqs.tokens, stats=stats)
     run = _Run(

@@ -71,9 +71,10 @@ class GenerationStats:
     """Counts for one generate() call over the whole batch.
 
     target_forwards includes the prefill; accept_lengths holds one entry per (request, verify round)
-    with the number of tokens that round committed (accepted drafted tokens + the bonus token, i.e.
-    the accepted nodes including the root). rounds: decoding rounds after the prefill (the batch runs
-    every round, finished requests included, until all are done)."""
+    with the number of tokens that round committed to the request (accepted drafted tokens + the bonus
+    token, i.e. the accepted nodes including the root, cut where the request reached its limit, a stop
+    token or a stop string: only what the output holds). rounds: decoding rounds after the prefill
+    (the batch runs every round, finished requests included, until all are done)."""
 
     method: str
     batch_size: int
@@ -99,6 +100,15 @@ class GenerationStats:
         return sum(self.accept_lengths) / len(self.accept_lengths)
 
     @property
+    def round_time(self) -> float:
+        """Seconds per decoding round: the wall time less the prefill (when timed) and the one-time
+        graph capture, over the rounds (nan without rounds)."""
+        if not self.rounds:
+            return float("nan")
+        decoding = self.wall_time - self.stage_times.get("prefill", 0.0) - self.capture_time
+        return decoding / self.rounds
+
+    @property
     def accept_histogram(self) -> dict[int, int]:
         return dict(sorted(Counter(self.accept_lengths).items()))
 
@@ -119,3 +129,21 @@ class GenerationStats:
             + (" (CUDA graphs)" if self.cuda_graphs else "")
             + f"; stages: {stages}"
         )
+
+
+def round_cost(stats: GenerationStats, base: GenerationStats) -> str:
+    """One line on what the speedup of `stats` over `base` (autoregressive decoding of the same
+    prompts) comes from: a round commits tau = mean accepted length tokens per request and costs c
+    decode steps of `base` (by stage, the largest first, when timed), so the decoding speedup is about
+    tau / c (the prefill aside). DDTree wins where a round costs fewer decode steps than it commits."""
+    step = base.round_time
+    if not step > 0 or not stats.round_time > 0:
+        return "no decoding rounds to compare"
+    cost, tau = stats.round_time / step, stats.mean_accept_len
+    per_stage = {k: v / stats.rounds / step for k, v in stats.stage_times.items() if k != "prefill" and v > 0}
+    top = sorted(per_stage.items(), key=lambda kv: -kv[1])[:3]
+    parts = f" ({', '.join(f'{k} {v:.2f}' for k, v in top)}{', ...' if len(per_stage) > 3 else ''})"
+    return (
+        f"a round costs {cost:.2f} decode steps{parts if top else ''} and commits {tau:.2f} tokens: "
+        f"speedup about {tau:.2f} / {cost:.2f} = {tau / cost:.2f}x"
+    )

@@ -5,7 +5,8 @@ token) can end inside a multi-byte UTF-8 character, which then decodes to U+FFFD
 alone can lose the space a Metaspace / WordPiece / id-joining decoder puts between tokens. Decoding the
 whole output every time is right but quadratic. `IncrementalDetokenizer` decodes a bounded window: a
 few already-printed tokens as context plus the tokens not printed yet, and prints the new suffix.
-`TextStream` adds stop strings on top.
+`TextStream` cuts the printed text at stop strings; `StopStringMatcher` finds the token that completes
+one, so that generate() stops the request there.
 """
 
 from __future__ import annotations
@@ -161,4 +162,33 @@ class TextStream:
         return 0
 
 
-__all__ = ["REPLACEMENT", "IncrementalDetokenizer", "TextStream"]
+class StopStringMatcher:
+    """Finds where one request's decoded output first contains a stop string, token by token, as the
+    tokens are committed: feed(ids) -> how many of these ids to keep (up to and including the token
+    whose text completes a stop string), or None when none is complete yet. After a hit, `stopped` is
+    True. The text is decoded incrementally (IncrementalDetokenizer, one push per token: linear work)
+    and only the last len(longest stop string) - 1 characters are kept between tokens."""
+
+    def __init__(self, tokenizer, stop_strings: Sequence[str], skip_special_tokens: bool = True) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stops = tuple(s for s in stop_strings if s)
+        self.keep = max((len(s) for s in self.stops), default=1) - 1
+        self.stopped = False
+        self._tail = ""  # the end of the text decoded so far: where a stop string may have begun
+
+    def feed(self, ids: Sequence[int]) -> int | None:
+        if self.stopped or not self.stops:
+            return None
+        for i, token in enumerate(ids):
+            piece = self.detok.push([token])
+            if not piece:
+                continue
+            text = self._tail + piece
+            if any(s in text for s in self.stops):
+                self.stopped = True
+                return i + 1
+            self._tail = text[len(text) - self.keep :] if self.keep else ""
+        return None
+
+
+__all__ = ["REPLACEMENT", "IncrementalDetokenizer", "StopStringMatcher", "TextStream"]

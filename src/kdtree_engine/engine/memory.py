@@ -1,0 +1,99 @@
+"""Sizes of a generate() call, known before anything is allocated or loaded: each request's token
+limit, the cache rows, and the largest buffers, from the models' configs alone (a checkpoint's
+config.json is enough). `generate` checks them against the free memory before its first allocation,
+and `kdtree-engine generate` before it loads the weights (`engine.checks.check_memory`).
+
+The needs are keyed by the GenerationConfig field (or argument) that sizes them, so that the error
+names what to lower: `max_new_tokens` (the target's latent cache and the drafter's cache), `budget`
+(a verify forward: logits, absorbed queries, the ancestor mask and, with the reference attention,
+its float32 scores, 3 x h x N x S per request for N tree nodes over S cache rows), `method` (the
+draft logits), `prompts` (the prefill's reference attention scores) and, for the command, `dtype`
+(the weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Needs = dict[str, tuple[str, int]]  # field -> (what, bytes)
+SCORE_COPIES = 3  # the reference attention holds the scores, their masked copy and the softmax at once
+
+
+def request_limits(prompt_lengths: Sequence[int], max_new_tokens: int, context: int | None) -> list[int]:
+    """New tokens per request at most: max_new_tokens, clamped to the target's context (positions <
+    context) minus the prompt."""
+    if context is None:
+        return [max_new_tokens] * len(prompt_lengths)
+    return [max(0, min(max_new_tokens, context - n)) for n in prompt_lengths]
+
+
+def cache_rows(
+    prompt_lengths: Sequence[int], limits: Sequence[int], method: str, budget: int, block_size: int
+) -> int:
+    """Cache rows per request: the longest prompt + limit, plus the margin the last round may write
+    past a request's limit (a whole tree and a draft block; the requests stop there)."""
+    margin = 2 if method == "autoregressive" else budget + block_size + 2
+    return max(n + limit for n, limit in zip(prompt_lengths, limits)) + margin
+
+
+def _scores(heads: int, rows: int, cols: int, itemsize: int) -> int:
+    """Bytes of the reference attention of one request: float32 (or wider) scores [rows, heads, cols],
+    SCORE_COPIES of them, plus the [rows, cols] bool mask."""
+    return SCORE_COPIES * rows * heads * cols * max(itemsize, 4) + rows * cols
+
+
+def generation_needs(
+    model_config,
+    dtype: torch.dtype,
+    *,
+    prompt_lengths: Sequence[int],
+    max_len: int,
+    budget: int,
+    block_size: int,
+    reference_attention: bool,
+    drafter_config=None,
+) -> Needs:
+    """The largest buffers of one generate() call, by the field that sizes them (see the module
+    docstring). model_config: the target's ModelConfig; block_size 1 means no drafter (autoregressive);
+    drafter_config: a DFlashConfig (its cache), or None; reference_attention: the attention runs the
+    torch reference (impl "ref", every CPU run), which materializes the scores."""
+    c, item = model_config, dtype.itemsize
+    batch, nodes = len(prompt_lengths), budget + 1
+    cache = c.num_hidden_layers * batch * max_len * c.latent_dim * item
+    if drafter_config is not None and block_size > 1:
+        d = drafter_config
+        rows = max_len + d.block_size
+        cache += 2 * d.num_hidden_layers * batch * rows * d.num_key_value_heads * d.head_dim * item
+    # logits in the model dtype and float32, the absorbed queries (twice), the ancestor mask
+    verify = batch * nodes * c.vocab_size * (item + 4)
+    verify += 2 * batch * nodes * c.num_attention_heads * c.latent_dim * item
+    verify += batch * nodes * nodes
+    needs: Needs = {"max_new_tokens": ("the caches", cache)}
+    if reference_attention:
+        verify += _scores(c.num_attention_heads, nodes, max_len, item)
+        longest = max(prompt_lengths)
+        needs["prompts"] = ("the prefill's attention", _scores(c.num_attention_heads, longest, longest, item))
+    needs["budget"] = ("a verify forward", verify)
+    if block_size > 1:
+        needs["method"] = ("the draft logits", batch * (block_size - 1) * c.vocab_size * 4 * 2)
+    return needs
+
+
+def weights_bytes(model_config, dtype: torch.dtype, drafter_config=None) -> int:
+    """Bytes of the target's (and the drafter's) parameters and buffers in dtype, counted on the meta
+    device (nothing is allocated)."""
+    from kdtree_engine.model.model import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):
+        modules = [DeepseekV3ForCausalLM(model_config)]
+        if drafter_config is not None:
+            from kdtree_engine.drafter.model import DFlashDrafter
+
+            modules.append(DFlashDrafter(drafter_config))
+    count = sum(t.numel() for m in modules for t in (*m.parameters(), *m.buffers()))
+    return count * dtype.itemsize
+
+
+__all__ = ["Needs", "cache_rows", "generation_needs", "request_limits", "weights_bytes"]
