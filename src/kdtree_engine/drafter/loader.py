@@ -85,7 +85,9 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2))
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    # copies: the kernel path packs parameters as views of shared buffers (drafter/packed.py), which
+    # safetensors refuses to write as they are
+    state = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(path / "model.safetensors"))
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdtree_engine.drafter.config import DFlashConfig
+from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.mla import RMSNorm  # the same norm as Qwen3RMSNorm: float32 statistics
 
 
@@ -147,6 +148,8 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 per device, not a buffer: .to(bf16)
+        self._packed = None  # drafter.packed.PackedWeights of the kernel path, built at its first call
 
     @property
     def block_size(self) -> int:
@@ -172,6 +175,22 @@ class DFlashDrafter(nn.Module):
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
+    def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
+        """[d / 2] float32 on `device`, as rope_cos_sin computes them (cached: no launch per forward)."""
+        if device not in self._inv_freq:
+            d = self.config.head_dim
+            exponent = torch.arange(0, d, 2, device=device).float() / d
+            self._inv_freq[device] = 1.0 / self.config.rope_theta**exponent
+        return self._inv_freq[device]
+
+    def uses_kernels(self, impl: str | None, device: torch.device) -> bool:
+        """Whether a forward on `device` with `impl` runs the Triton kernels (drafter/fused.py): a kernel
+        impl ("triton", "hopper", or None on CUDA) and float32 / bf16 / fp16 weights; else the torch
+        reference (float64 always). ValueError naming `impl` for an unknown one or a kernel impl off
+        CUDA without the Triton interpreter."""
+        kernel = resolve_impl(impl, device) == "triton"
+        return kernel and self.fc.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
     @torch.no_grad()
     def forward(
         self,
@@ -180,6 +199,7 @@ class DFlashDrafter(nn.Module):
         context_lens: torch.Tensor,
         start: torch.Tensor,
         cache: DrafterCache,
+        impl: str | None = None,
     ) -> torch.Tensor:
         """block_embeds [B, T, H] (target-embedded [bonus, MASK x L]); context [B, C, F] target hidden
         states of the rows since the last call (C may be 0), context_lens [B] int64 real rows per request;
@@ -189,7 +209,23 @@ class DFlashDrafter(nn.Module):
         No host reads (so a round that calls it can be captured in a CUDA graph): every context row is
         written, the padding rows (c >= context_lens[b]) at slots past the request's new length, where
         they stay masked until a real row overwrites them (or in the spare rows), and the block attends
-        to all max_len cache slots with the unused ones masked."""
+        to the slots below each request's new length.
+
+        impl (kdtree_engine.impl): "ref" runs the torch reference below (SDPA over all max_len slots,
+        masked); "triton" / "hopper" / None on CUDA the kernels (drafter/fused.py: the cache read in
+        place, about ten launches per layer) for float32 / bf16 / fp16; None off CUDA the reference."""
+        if self.uses_kernels(impl, block_embeds.device):
+            x = block_embeds.to(self.fc.weight.dtype).clone(memory_format=torch.contiguous_format)
+            return self._kernel_forward(x, context, context_lens, start, cache)
+        return self._reference_forward(block_embeds, context, context_lens, start, cache)
+
+    def _kernel_forward(self, x, context, context_lens, start, cache) -> torch.Tensor:
+        """x [B, T, H] contiguous, the drafter's dtype, overwritten. Imported lazily: triton is optional."""
+        from kdtree_engine.drafter.fused import kernel_forward
+
+        return kernel_forward(self, x, context, context_lens, start, cache)
+
+    def _reference_forward(self, block_embeds, context, context_lens, start, cache) -> torch.Tensor:
         b, t, _ = block_embeds.shape
         dtype = self.fc.weight.dtype
         ctx = self.hidden_norm(self.fc(context.to(dtype)))  # [B, C, H]
@@ -214,13 +250,20 @@ class DFlashDrafter(nn.Module):
         bonus: torch.Tensor,
         start: torch.Tensor,
         cache: DrafterCache,
+        impl: str | None = None,
     ) -> torch.Tensor:
         """One drafting step. target: the model whose embed_tokens / lm_head the drafter borrows;
-        bonus [B] int64 last committed token (not yet in the target cache) at position start [B].
-        Returns draft logits [B, L, V] float32 for positions start + 1 .. start + L."""
+        bonus [B] int64 last committed token (not yet in the target cache) at position start [B];
+        impl as forward. Returns draft logits [B, L, V] float32 for positions start + 1 .. start + L."""
         b = bonus.shape[0]
         block = bonus.new_full((b, self.block_size), self.config.mask_token_id)
         block[:, 0] = bonus
-        hidden = self(target.embed_tokens(block), context, context_lens, start, cache)
+        embeds = target.embed_tokens(block)  # [B, T, H], a fresh tensor: the kernel path may overwrite it
+        if self.uses_kernels(impl, embeds.device):
+            x = embeds.to(self.fc.weight.dtype).contiguous()
+            with torch.no_grad():
+                hidden = self._kernel_forward(x, context, context_lens, start, cache)
+        else:
+            hidden = self(embeds, context, context_lens, start, cache, impl="ref")
         lm_head = target.lm_head
         return lm_head(hidden[:, 1:].to(lm_head.weight.dtype)).float()
