@@ -224,6 +224,48 @@ def test_bad_drafter_checkpoint_is_one_line(good, tmp_path, capsys, kind):
     assert message in _error_line(err)
 
 
+def test_paths_are_checked_first_naming_the_flag(good, tmp_path, capsys):
+    """A missing or wrong --model / --drafter path is the error, before prompts, tokenizer or weights."""
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"x")
+    model = str(good["model"])
+    for argv, line in [
+        (["--model", "/nonexistent", "--prompt", "x"], "--model: /nonexistent does not exist"),
+        (["--model", str(file), "--prompt", "x"], f"--model: {file} is not a directory (pass the checkpoint"),
+        (["--model", str(tmp_path), "--prompt", "x"], f"--model: no config.json in {tmp_path}"),
+        (
+            ["--model", model, "--drafter", "/nonexistent", "--prompt", "x"],
+            "--drafter: /nonexistent does not",
+        ),
+        (
+            ["--model", model, "--drafter", str(file), "--prompt", "x"],
+            f"--drafter: {file} is not a directory",
+        ),
+        (["--model", model, "--drafter", model, "--prompt", "x"], None),  # a folder of the wrong kind
+    ]:
+        rc, out, err = _run(capsys, "generate", *argv, "--device", "cpu")
+        if line is None:
+            assert rc == 2 and "--drafter: " in _one_line(err) and "mask_token_id" in err
+            continue
+        assert (rc, out) == (2, "") and _one_line(err).startswith(f"kdtree-engine generate: {line}"), err
+
+
+def test_sizes_are_checked_before_loading(capsys, monkeypatch):
+    """A budget whose verify forward cannot fit, or weights that cannot: one line naming the field,
+    before the prompt is printed or the weights are read; an absurd budget is refused by the config."""
+    from kdtree_engine.engine import checks
+
+    monkeypatch.setattr(checks, "available_memory", lambda device: 16 * 2**30)
+    rc, out, err = _run(capsys, "generate", "--demo", "--budget", "100000", "--device", "cpu")
+    assert (rc, out) == (2, "")
+    assert "budget: a verify forward needs about" in _one_line(err) and "GiB are free on cpu" in err
+    rc, out, err = _run(capsys, "generate", "--demo", "--budget", str(2**62))
+    assert (rc, out) == (2, "") and "budget: expected None or an int in [0, 1048576]" in _one_line(err)
+    monkeypatch.setattr(checks, "available_memory", lambda device: 2**20)
+    rc, out, err = _run(capsys, "generate", "--demo", "--device", "cpu")
+    assert (rc, out) == (2, "") and "dtype: loading the weights in float32 needs about" in _one_line(err)
+
+
 def test_tokenizer_without_transformers_names_the_extra(good, tmp_path, capsys, monkeypatch):
     """`pip install -e .` has no transformers: a checkpoint with tokenizer files says which extra to add."""
     path = _copy(good, tmp_path, "model")
@@ -264,7 +306,8 @@ def test_out_of_memory_suggests_smaller_sizes(capsys, monkeypatch):
     assert "enforce fail" not in err
 
 
-def test_ctrl_c_exits_130_quietly(capsys, monkeypatch):
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    import kdtree_engine.cli as cli
     import kdtree_engine.tree.demo as tree_demo
 
     def interrupted(*args, **kwargs):
@@ -275,7 +318,37 @@ def test_ctrl_c_exits_130_quietly(capsys, monkeypatch):
         rc, _, err = _run(capsys, "tree")
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped main()")
-    assert rc == 130 and err == ""
+    assert rc == 130 and _one_line(err) == "kdtree-engine tree: interrupted\n"
+    monkeypatch.setattr(cli, "build_parser", interrupted)  # during start-up: importing the subcommands
+    rc, _, err = _run(capsys, "generate", "--demo")
+    assert rc == 130 and _one_line(err) == "kdtree-engine generate: interrupted\n"
+
+
+def _subprocess(argv: list[str], **popen):
+    """kdtree-engine argv in a fresh interpreter (its own stdout): the Popen."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"), ""]))
+    return subprocess.Popen([sys.executable, "-m", "kdtree_engine", *argv], env=env, **popen)
+
+
+GENERATE_SMALL = ["generate", "--demo", "random", "--max-new-tokens", "200", "--compare"]
+
+
+def test_closed_stdout_and_a_reader_that_goes_away():
+    """`>&-`: the output is discarded, exit 0; a pipe whose reader went away (`| head`): exit 141;
+    never a traceback."""
+    import os
+    import subprocess
+
+    closed = _subprocess(GENERATE_SMALL, stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1))
+    _, err = closed.communicate(timeout=300)
+    assert closed.returncode == 0 and err.decode() == "", err.decode()[-2000:]
+    reader = _subprocess(GENERATE_SMALL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    reader.stdout.close()  # the reader is gone before the first line (`| head -0`): every write fails
+    err = reader.stderr.read().decode()
+    assert reader.wait(timeout=300) == 141 and err == "", err[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -479,3 +479,83 @@ def test_compare_explains_a_divergence(capsys):
     assert _compare(runs, greedy=True, session=Session) == 1  # float32, a real choice: not a tie
     out = capsys.readouterr().out
     assert "parted at new token 2" in out and "NOT explained" in out
+
+
+# --- what a new user hits (issue 26) -------------------------------------------------------------
+
+
+def test_a_huge_max_new_tokens_is_clamped_and_said(capsys):
+    """Past the context (4096 for the random demo's target): one line on stderr, then it runs."""
+    prompt = " ".join(str(i % 100) for i in range(4090))
+    argv = [
+        "--demo",
+        "random",
+        "--method",
+        "autoregressive",
+        "--prompt-ids",
+        prompt,
+        "--max-new-tokens",
+        "99",
+    ]
+    rc, out, err = _run(capsys, *argv)
+    assert rc == 0 and "[autoregressive] 6 new tokens" in out
+    assert err == (
+        "max_new_tokens: 99 is past the target's context of 4096 positions; each request stops at its "
+        "end (request 0: 4090 prompt tokens, at most 6 new)\n"
+    )
+
+
+def test_mean_accepted_length_counts_committed_tokens(capsys):
+    """--max-new-tokens 4: the prefill commits 1, the one round 3 (the stand-in gets 7 accepted)."""
+    rc, out, _ = _run(capsys, "--demo", "random", "--max-new-tokens", "4")
+    assert rc == 0 and "[ddtree] 4 new tokens (batch 1) in 2 target forwards" in out
+    assert "mean accepted length 3.00 (histogram 3:1)" in out
+
+
+def test_compare_says_what_a_round_costs(capsys):
+    """Per method: a round's cost in decode steps against the tokens it commits; their ratio is the
+    decoding speedup."""
+    rc, out, _ = _run(capsys, "--demo", "random", "--compare", "--max-new-tokens", "24")
+    rows = re.findall(
+        r"^ +a round costs ([\d.]+) decode steps \((\w+) [\d.]+.*\) and commits ([\d.]+) tokens: "
+        r"speedup about ([\d.]+) / ([\d.]+) = ([\d.]+)x$",
+        out,
+        flags=re.M,
+    )
+    assert rc == 0 and len(rows) == 2
+    for cost, stage, tau, tau_again, cost_again, speedup in rows:
+        assert (tau, cost) == (tau_again, cost_again) and stage in ("draft", "tree_build", "verify")
+        assert abs(float(tau) / float(cost) - float(speedup)) < 0.02
+
+
+def test_help_texts_say_what_the_demo_does(capsys):
+    """The top-level description is whole; --stop names the kimi-nano demo's stop token, which is
+    its generation_config.json's eos_token_id and the tokenizer's <|endoftext|>."""
+    import json
+
+    from kdtree_engine.assets import KIMI_NANO
+    from kdtree_engine.cli import DESCRIPTION
+    from kdtree_engine.engine.tokenizer import load_tokenizer
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert DESCRIPTION in out and DESCRIPTION.endswith(".")
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    eos = json.loads((KIMI_NANO / "generation_config.json").read_text())["eos_token_id"]
+    token = load_tokenizer(KIMI_NANO).decode([eos], skip_special_tokens=False)
+    assert f"the kimi-nano demo: {eos}, {token}; --demo random: none" in out
+
+
+def test_kimi_nano_prompts_end_as_training_text(capsys):
+    """The held-out prompts end with a def line, before its newline (the BPE merges a newline with the
+    next line's indentation); a demo prompt ending in a bare newline loses it, said on stderr."""
+    from kdtree_engine.assets import heldout_prompts
+
+    assert all(p["text"].rstrip().endswith(":") and not p["text"].endswith("\n") for p in heldout_prompts())
+    rc, out, err = _run(capsys, "--demo", "--prompt", "def add(a, b):\n", "--max-new-tokens", "6",
+                        "--device", "cpu")  # fmt: skip
+    assert rc == 0 and "--prompt: the newline at its end is dropped" in err
+    assert _stream_of(out, "ddtree").startswith("\n    ")  # the body, indented

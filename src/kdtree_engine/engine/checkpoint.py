@@ -105,6 +105,18 @@ class Checkpoints:
         return self.drafter_config.block_size if self.drafter_config is not None else 1
 
 
+def _read_config(cls, path: Path, argument: str):
+    """cls.from_json(path / "config.json"), a ValueError that does not name the file naming it and the
+    argument (e.g. a target folder passed as the drafter)."""
+    file = path / "config.json"
+    try:
+        return cls.from_json(file)
+    except ValueError as exc:
+        if str(file) in str(exc):
+            raise
+        raise ValueError(f"{argument}: {file}: {exc}") from None
+
+
 def read_checkpoints(
     model_dir: str | Path,
     drafter_dir: str | Path | None = None,
@@ -121,8 +133,10 @@ def read_checkpoints(
     drafter_path = (
         None if drafter_dir is None else checkpoint_dir(drafter_dir, drafter_argument, drafter=True)
     )
-    target_config = ModelConfig.from_json(target_dir / "config.json")
-    drafter_config = None if drafter_path is None else DFlashConfig.from_json(drafter_path / "config.json")
+    target_config = _read_config(ModelConfig, target_dir, model_argument)
+    drafter_config = (
+        None if drafter_path is None else _read_config(DFlashConfig, drafter_path, drafter_argument)
+    )
     return Checkpoints(
         target_dir, target_config, drafter_path, drafter_config, generation_defaults(target_dir)
     )

@@ -362,7 +362,8 @@ def _check_memory_first(
             drafter_config=drafter_config if block > 1 else None,
         )
         check_memory(
-            where, {**needs, "dtype": (f"the weights in {str(dtype).removeprefix('torch.')}", weights)}
+            where,
+            {**needs, "dtype": (f"loading the weights in {str(dtype).removeprefix('torch.')}", weights)},
         )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-Needs = dict[str, tuple[str, int]]  # field -> (what, bytes)
+Needs = dict[str, tuple[str, int]]  # field -> (what needs the memory: a singular subject, bytes)
 SCORE_COPIES = 3  # the reference attention holds the scores, their masked copy and the softmax at once
 
 
@@ -70,14 +70,14 @@ def generation_needs(
     verify = batch * nodes * c.vocab_size * (item + 4)
     verify += 2 * batch * nodes * c.num_attention_heads * c.latent_dim * item
     verify += batch * nodes * nodes
-    needs: Needs = {"max_new_tokens": ("the caches", cache)}
+    needs: Needs = {"max_new_tokens": (f"caching {max_len} rows per request", cache)}
     if reference_attention:
         verify += _scores(c.num_attention_heads, nodes, max_len, item)
         longest = max(prompt_lengths)
         needs["prompts"] = ("the prefill's attention", _scores(c.num_attention_heads, longest, longest, item))
     needs["budget"] = ("a verify forward", verify)
     if block_size > 1:
-        needs["method"] = ("the draft logits", batch * (block_size - 1) * c.vocab_size * 4 * 2)
+        needs["method"] = ("drafting", batch * (block_size - 1) * c.vocab_size * 4 * 2)
     return needs
 
 

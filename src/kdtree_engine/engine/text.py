@@ -187,7 +187,7 @@ class StopStringMatcher:
             if any(s in text for s in self.stops):
                 self.stopped = True
                 return i + 1
-            self._tail = text[len(text) - self.keep :] if self.keep else ""
+            self._tail = text[-self.keep :] if self.keep else ""
         return None
 
 
