@@ -34,16 +34,17 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 
 
 def run_rounds(drafter, rounds, impl, seed=0, max_len=32):
-    """Feeds the same ragged rounds (context rows per request) to a fresh cache: [(hidden, cache)]."""
-    dtype = drafter.fc.weight.dtype
+    """Feeds the same ragged rounds (context rows per request) to a fresh cache on the drafter's device:
+    ([(hidden, seqlens) per round], cache)."""
+    dtype, dev = drafter.fc.weight.dtype, drafter.fc.weight.device
     gen = torch.Generator().manual_seed(seed)
     cache = drafter.new_cache(len(rounds[0]), max_len)
     outs = []
     for lens in rounds:
         b, c = len(lens), max(lens)
-        context = (100 * torch.randn(b, c, F_IN, generator=gen)).to(dtype)  # padding rows hold garbage too
-        block = torch.randn(b, CFG.block_size, CFG.hidden_size, generator=gen).to(dtype)
-        lens_t = torch.tensor(lens)
+        context = (100 * torch.randn(b, c, F_IN, generator=gen)).to(dev, dtype)  # garbage padding rows too
+        block = torch.randn(b, CFG.block_size, CFG.hidden_size, generator=gen).to(dev, dtype)
+        lens_t = torch.tensor(lens, device=dev)
         start = cache.seqlens + lens_t
         kept = block.clone()
         outs.append((drafter(block, context, lens_t, start, cache, impl=impl), cache.seqlens.clone()))
@@ -66,8 +67,8 @@ ROUNDS = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rounds", ROUNDS.values(), ids=ROUNDS.keys())
-def test_kernel_path_equals_reference_path(dtype, rounds):
-    drafter = random_drafter(CFG, seed=3, dtype=dtype)
+def test_kernel_path_equals_reference_path(device, dtype, rounds):
+    drafter = random_drafter(CFG, seed=3, dtype=dtype, device=device)
     want, want_cache = run_rounds(drafter, rounds, "ref")
     got, got_cache = run_rounds(drafter, rounds, "triton")
     for (h_got, len_got), (h_want, len_want) in zip(got, want):
@@ -76,12 +77,12 @@ def test_kernel_path_equals_reference_path(dtype, rounds):
     assert_same_cache(got_cache, want_cache, TOL[dtype])
 
 
-def test_a_context_of_no_rows_still_drafts():
-    drafter = random_drafter(CFG, seed=4)
-    block = torch.randn(1, CFG.block_size, CFG.hidden_size)
-    empty, start = torch.zeros(1, 0, F_IN), torch.tensor([0])
-    got = drafter(block, empty, torch.tensor([0]), start, drafter.new_cache(1, 8), impl="triton")
-    want = drafter(block, empty, torch.tensor([0]), start, drafter.new_cache(1, 8), impl="ref")
+def test_a_context_of_no_rows_still_drafts(device):
+    drafter = random_drafter(CFG, seed=4, device=device)
+    block = torch.randn(1, CFG.block_size, CFG.hidden_size, device=device)
+    empty, start = torch.zeros(1, 0, F_IN, device=device), torch.tensor([0], device=device)
+    got = drafter(block, empty, start, start, drafter.new_cache(1, 8), impl="triton")
+    want = drafter(block, empty, start, start, drafter.new_cache(1, 8), impl="ref")
     assert_close("hidden", got, want, 1e-4)
 
 
@@ -115,8 +116,8 @@ def test_packing_keeps_names_values_and_checkpoints(tmp_path):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in drafter.state_dict().items())
 
 
-def test_a_dtype_change_repacks():
-    drafter = random_drafter(CFG, seed=7)
+def test_a_dtype_change_repacks(device):
+    drafter = random_drafter(CFG, seed=7, device=device)
     old = packed_weights(drafter)
     drafter.to(torch.bfloat16)
     assert not old.intact()
@@ -127,14 +128,19 @@ def test_a_dtype_change_repacks():
     assert_close("hidden", got[-1][0], want[-1][0], TOL[torch.bfloat16])
 
 
-def test_shipped_kimi_nano_drafter_drafts_the_same_logits():
+def nano(device, dtype=torch.float32):
     from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH
     from kdtree_engine.model import load_model
 
-    target, drafter = load_model(KIMI_NANO), load_drafter(KIMI_NANO_DFLASH)
+    return load_model(KIMI_NANO, dtype, device), load_drafter(KIMI_NANO_DFLASH, dtype, device)
+
+
+def test_shipped_kimi_nano_drafter_drafts_the_same_logits(device):
+    target, drafter = nano(device)
     gen = torch.Generator().manual_seed(0)
     f = len(drafter.target_layer_ids) * drafter.config.hidden_size
-    ctx, lens, bonus = torch.randn(2, 70, f, generator=gen), torch.tensor([70, 41]), torch.tensor([5, 9])
+    ctx = torch.randn(2, 70, f, generator=gen).to(device)
+    lens, bonus = torch.tensor([70, 41], device=device), torch.tensor([5, 9], device=device)
     logits = {}
     for impl in ("ref", "triton"):
         logits[impl] = drafter.draft(target, ctx, lens, bonus, lens, drafter.new_cache(2, 128), impl=impl)
@@ -149,6 +155,7 @@ class _KernelDrafter(DFlashDrafter):
         return super().draft(*args, impl="triton")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter check; on CUDA tests/engine/test_gpu.py")
 def test_greedy_engine_output_through_the_kernel_drafter():
     from kdtree_engine.engine import GenerationConfig, generate
     from kdtree_engine.model import greedy_generate
@@ -165,3 +172,52 @@ def test_greedy_engine_output_through_the_kernel_drafter():
         out = generate(target, drafter, prompts, config)
         assert out.tokens == expected, method
         assert out.stats.accept_lengths == reference.stats.accept_lengths, method  # the same drafts
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_captured_draft_replays_new_rounds():
+    """draft() through the kernels captured once in a CUDA graph, replayed on new inputs and lengths,
+    equals eager drafts of the same rounds (bf16 kimi-nano)."""
+    target, drafter = nano("cuda", torch.bfloat16)
+    f, t = len(drafter.target_layer_ids) * drafter.config.hidden_size, drafter.block_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    prefix = torch.randn(3, 90, f, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lens = torch.tensor([90, 40, 7], device="cuda")
+    bonus = torch.tensor([3, 4, 5], device="cuda")
+    ctx = torch.zeros(3, t, f, device="cuda", dtype=torch.bfloat16)
+    ctx_lens, start = torch.zeros_like(lens), torch.zeros_like(lens)
+    eager, graphed = drafter.new_cache(3, 200), drafter.new_cache(3, 200)
+    for cache in (eager, graphed):
+        drafter.draft(target, prefix, lens, bonus, lens, cache)
+    drafter.draft(target, ctx, ctx_lens, bonus, graphed.seqlens + ctx_lens, graphed)  # C = t compiled
+    graphed.seqlens.copy_(eager.seqlens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = drafter.draft(target, ctx, ctx_lens, bonus, start, graphed)
+    graphed.seqlens.copy_(eager.seqlens)
+    for step in range(3):
+        ctx.normal_(generator=gen)
+        ctx_lens.copy_(torch.tensor([5, 16, 1 + step], device="cuda"))
+        start.copy_(eager.seqlens + ctx_lens)
+        bonus.random_(0, target.config.vocab_size, generator=gen)
+        want = drafter.draft(target, ctx, ctx_lens, bonus, start, eager)
+        graph.replay()
+        assert torch.equal(graphed.seqlens, eager.seqlens)
+        assert_close("replay", out, want, 1e-3)
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_gpu_kimi_nano_bf16_kernels_near_the_reference():
+    target, drafter = nano("cuda", torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    f = len(drafter.target_layer_ids) * drafter.config.hidden_size
+    ctx = torch.randn(4, 200, f, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lens, bonus = torch.tensor([200, 150, 64, 1], device="cuda"), torch.tensor([5, 9, 11, 12], device="cuda")
+    logits = {}
+    for impl in ("ref", "triton"):
+        logits[impl] = drafter.draft(target, ctx, lens, bonus, lens, drafter.new_cache(4, 256), impl=impl)
+    rel = (logits["triton"] - logits["ref"]).norm() / logits["ref"].norm()
+    assert rel < 2e-2, rel
+    assert (logits["triton"].argmax(-1) == logits["ref"].argmax(-1)).float().mean() > 0.9
