@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kdtree_engine.impl import capturing
+
 
 @dataclass
 class PackedWeights:
@@ -81,6 +83,11 @@ def packed_weights(drafter) -> PackedWeights:
     """The drafter's fused buffers, packing (again) when its parameters are not views of them."""
     packed = getattr(drafter, "_packed", None)
     if packed is None or not packed.intact():
+        if capturing(drafter.fc.weight.device):  # a captured copy would re-read freed storage on replay
+            raise RuntimeError(
+                "drafter: its kernel path packs the weights at its first call; run one eager draft "
+                "(after any .to()) before capturing it in a CUDA graph"
+            )
         packed = pack(drafter)
         drafter._packed = packed
     return packed
