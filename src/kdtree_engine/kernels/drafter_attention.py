@@ -97,14 +97,21 @@ def drafter_attention(
     if v_blk.stride() != k_blk.stride():
         k_blk, v_blk = k_blk.contiguous(), v_blk.contiguous()
     out = torch.empty(b, t, h, d, dtype=q.dtype, device=q.device)
-    rep = h // g
-    block_d = max(16, triton.next_power_of_2(d))
     _drafter_attention_kernel[(b, g)](
         q, cache_k, cache_v, new_len, k_blk, v_blk, out, t, LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        REP=rep, D=d, BLOCK_M=max(16, triton.next_power_of_2(rep * t)), BLOCK_N=BLOCK_N,
-        BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_D=block_d,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        **launch_constants(t, h, g, d, q.dtype),
     )  # fmt: skip
     return out
+
+
+def launch_constants(t: int, h: int, g: int, d: int, dtype: torch.dtype) -> dict:
+    """The kernel's constexprs and warps for T block rows, h / g heads, head_dim d: every query row of a
+    kv head in one tile (tl.dot needs >= 16 rows and columns)."""
+    rep = h // g
+    return dict(
+        REP=rep, D=d, BLOCK_M=max(16, triton.next_power_of_2(rep * t)), BLOCK_N=BLOCK_N,
+        BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT_PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip

@@ -18,10 +18,12 @@ from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU i
 
 
 @triton.jit
-def _cos_sin(pos, inv_ptr, j, j_ok, DTYPE: tl.constexpr):
-    """[1, HALF_P] cos and sin of pos * inv_freq, rounded to DTYPE (as the reference's tables)."""
+def _cos_sin(pos, inv_ptr, j, j_ok, like_ptr):
+    """[1, HALF_P] cos and sin of pos * inv_freq, rounded to like_ptr's dtype (as the reference's
+    tables)."""
+    dtype = like_ptr.dtype.element_ty
     angle = pos.to(tl.float32) * tl.load(inv_ptr + j, mask=j_ok, other=0.0)
-    return tl.cos(angle).to(DTYPE).to(tl.float32), tl.sin(angle).to(DTYPE).to(tl.float32)
+    return tl.cos(angle).to(dtype).to(tl.float32), tl.sin(angle).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -53,7 +55,7 @@ def _block_kernel(qkv_ptr, qw_ptr, kw_ptr, start_ptr, inv_ptr, T, stride_b, stri
     b, t = pid // T, pid % T
     j = tl.arange(0, HALF_P)[None, :]
     j_ok = j < HALF
-    cos, sin = _cos_sin(tl.load(start_ptr + b) + t, inv_ptr, j, j_ok, qkv_ptr.dtype.element_ty)
+    cos, sin = _cos_sin(tl.load(start_ptr + b) + t, inv_ptr, j, j_ok, qkv_ptr)
     row = qkv_ptr + b.to(tl.int64) * stride_b + t * stride_t
     _norm_rope(row, row, H, stride_h, qw_ptr, cos, sin, eps, j, j_ok, HALF, H_P)
     k = row + H * stride_h
@@ -72,7 +74,7 @@ def _context_kernel(qkv_ptr, kw_ptr, seq_ptr, inv_ptr, ck_ptr, cv_ptr, C, stride
     j = tl.arange(0, HALF_P)[None, :]
     j_ok = j < HALF
     pos = tl.load(seq_ptr + b) + c
-    cos, sin = _cos_sin(pos, inv_ptr, j, j_ok, ck_ptr.dtype.element_ty)
+    cos, sin = _cos_sin(pos, inv_ptr, j, j_ok, ck_ptr)
     src = qkv_ptr + b.to(tl.int64) * stride_b + c * stride_c + layer * stride_l + H * stride_h
     slot = tl.minimum(pos, max_slot)
     dst = layer.to(tl.int64) * stride_kl + b.to(tl.int64) * stride_kb + slot * stride_ks
