@@ -7,6 +7,7 @@ and checkpoints."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -75,6 +76,14 @@ def test_kernel_path_equals_reference_path(device, dtype, rounds):
         assert torch.equal(len_got, len_want)
         assert_close("hidden", h_got, h_want, TOL[dtype])
     assert_same_cache(got_cache, want_cache, TOL[dtype])
+
+
+def test_attention_biases(device):
+    drafter = random_drafter(replace(CFG, attention_bias=True), seed=8, device=device)
+    want, _ = run_rounds(drafter, ROUNDS["ragged"], "ref")
+    got, _ = run_rounds(drafter, ROUNDS["ragged"], "triton")
+    for (h_got, _), (h_want, _) in zip(got, want):
+        assert_close("hidden", h_got, h_want, TOL[torch.float32])
 
 
 def test_a_context_of_no_rows_still_drafts(device):
