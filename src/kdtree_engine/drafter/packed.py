@@ -54,11 +54,15 @@ def _groups(drafter) -> dict[str, list[list[nn.Parameter]]]:
 @torch.no_grad()
 def _pack(groups: list[list[nn.Parameter]], ptrs: list) -> torch.Tensor:
     """One buffer [layers, sum of the first dims, ...]; each parameter becomes a view of its rows."""
-    buf = torch.stack([torch.cat([p.detach() for p in g]) for g in groups])
+    first = groups[0][0]
+    rows = sum(p.shape[0] for p in groups[0])
+    buf = first.new_empty((len(groups), rows, *first.shape[1:]))  # one copy at a time: no second buffer
     for layer, g in enumerate(groups):
         row = 0
         for p in g:
-            p.data = buf[layer, row : row + p.shape[0]]
+            view = buf[layer, row : row + p.shape[0]]
+            view.copy_(p.detach())
+            p.data = view
             ptrs.append((p, p.data_ptr()))
             row += p.shape[0]
     return buf
