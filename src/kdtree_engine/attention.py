@@ -39,8 +39,9 @@ class AttentionPlan:
         in q's dtype, lse [b, t, h] float32 (float64 for float64 q)."""
         _expect(tuple(q.shape) == self.q_shape and q.dtype == self.dtype, "q",
                 f"planned for {self.q_shape} {self.dtype}, got {tuple(q.shape)} {q.dtype}")  # fmt: skip
+        got = f"{tuple(kv_cache.shape)} {kv_cache.dtype}"
         _expect(tuple(kv_cache.shape) == self.kv_shape and kv_cache.dtype == self.dtype, "kv_cache",
-                f"planned for {self.kv_shape} {self.dtype}, got {tuple(kv_cache.shape)} {kv_cache.dtype}")  # fmt: skip
+                f"planned for {self.kv_shape} {self.dtype}, got {got}")  # fmt: skip
         p = self.problem
         if self.kernel == "ref":
             return _run_ref(p, q, kv_cache)
@@ -81,7 +82,7 @@ def plan_attention(
     the split count and lets the plan skip a merge that has nothing to merge. num_splits: force the KV
     range of each row block into that many pieces (tests)."""
     _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
-    check_impl(impl)
+    check_impl(impl, q.device)
     if validate and not capturing(q.device):
         max_seqlen = _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table)
     kernel = choose_kernel(impl, q, kv_cache, d_v, block_table is not None)
@@ -162,11 +163,12 @@ def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
     from kdtree_engine.kernels.mla_attention_merge import merge_pieces
 
     _expect(kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0, "kv_cache",
-            "the Hopper kernel was planned: this layer's cache must be contiguous and 16-byte aligned too")  # fmt: skip
+            "the Hopper kernel was planned: this layer's cache must be contiguous and 16-byte aligned "
+            "too")  # fmt: skip
     hopper.run(launch, p, q, kv_cache, out, lse)
     if launch.merge:
-        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, launch.blocks, hopper.BLOCK_M,
-                     launch.cut_blocks, launch.max_pieces)  # fmt: skip
+        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, launch.blocks,
+                     hopper.BLOCK_M, launch.cut_blocks, launch.max_pieces)  # fmt: skip
 
 
 def _plan_triton(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, num_splits: int | None):

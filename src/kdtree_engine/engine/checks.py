@@ -12,22 +12,75 @@ def is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def describe(x) -> str:
+    """What was passed, for an error: None, a builtin's type name, or module.Class."""
+    if x is None:
+        return "None"
+    cls = type(x)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+TARGET_NEEDS = ("config", "lm_head", "embed_tokens", "new_cache")
+TARGET_CONFIG_NEEDS = ("vocab_size", "hidden_size", "num_hidden_layers")
+DRAFTER_NEEDS = ("block_size", "target_layer_ids", "new_cache", "draft")
+
+
+def _interface_error(name: str, expected: str, x, needs: tuple[str, ...]) -> ValueError | None:
+    """The error for an object that lacks some of `needs`, listing them unless it lacks them all."""
+    missing = [n for n in needs if not hasattr(x, n)]
+    if not missing:
+        return None
+    detail = f" (it has no {', '.join(missing)})" if len(missing) < len(needs) else ""
+    return ValueError(f"{name}: expected {expected}, got {describe(x)}{detail}")
+
+
+TARGET_EXPECTED = (
+    "the target model, a kdtree_engine.model.DeepseekV3ForCausalLM (e.g. from kdtree_engine.model.load_model)"
+)
+DRAFTER_EXPECTED = (
+    "a DFlash drafter, a kdtree_engine.drafter.DFlashDrafter (e.g. from kdtree_engine.drafter.load_drafter)"
+)
+
+
+def check_target(target) -> None:
+    """target: a kdtree_engine.model DeepseekV3ForCausalLM, or anything with its interface (callable,
+    with config (vocab_size, hidden_size, num_hidden_layers), lm_head, embed_tokens and new_cache)."""
+    error = _interface_error("target", TARGET_EXPECTED, target, TARGET_NEEDS + ("__call__",))
+    if error is not None:
+        raise error
+    missing = [n for n in TARGET_CONFIG_NEEDS if not hasattr(target.config, n)]
+    if missing:
+        listing = ", ".join(missing)
+        raise ValueError(
+            f"target: expected {TARGET_EXPECTED}, got {describe(target)} whose config has no {listing}"
+        )
+
+
 def check_prompts(prompts, vocab_size: int, context_len: int | None) -> list[list[int]]:
     """prompts: a list of token-id lists (ragged), a single list of ints, or an int tensor [B, T] / [T]."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.is_floating_point():
+        if prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool:
             raise ValueError(f"prompts: expected integer token ids, got dtype {prompts.dtype}")
+        if prompts.dim() not in (1, 2):
+            raise ValueError(f"prompts: expected a tensor [B, T] or [T], got shape {tuple(prompts.shape)}")
         prompts = prompts.tolist()
         if prompts and is_int(prompts[0]):
             prompts = [prompts]
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts: expected a non-empty list of prompts (lists of token ids)")
+        raise ValueError(
+            "prompts: expected a non-empty list of prompts (lists of token ids), got "
+            + (
+                f"an empty {type(prompts).__name__}"
+                if isinstance(prompts, (list, tuple))
+                else describe(prompts)
+            )
+        )
     if all(is_int(t) for t in prompts):
         prompts = [prompts]
     out = []
     for i, p in enumerate(prompts):
         if not isinstance(p, (list, tuple)) or not all(is_int(t) for t in p):
-            raise ValueError(f"prompts: prompt {i} must be a list of int token ids")
+            raise ValueError(f"prompts: prompt {i} must be a list of int token ids, got {describe(p)}")
         if len(p) == 0:
             raise ValueError(f"prompts: prompt {i} is empty (at least one token is needed)")
         if min(p) < 0 or max(p) >= vocab_size:
@@ -42,15 +95,32 @@ def check_prompts(prompts, vocab_size: int, context_len: int | None) -> list[lis
 
 
 def check_drafter(target, drafter, method: str) -> None:
-    """A method other than "autoregressive" needs a drafter, and drafter and target must agree: hidden
-    size (the drafter embeds with the target's table and feeds the target's lm_head), vocabulary, and
-    target layer ids within the target's layers."""
+    """The target (check_target), and for a method other than "autoregressive" a drafter: a DFlash
+    drafter or anything with its interface (block_size, target_layer_ids, new_cache, draft), not the
+    target; drafter and target must agree: hidden size (the drafter embeds with the target's table and
+    feeds the target's lm_head), vocabulary, and target layer ids within the target's layers."""
+    check_target(target)
     if method == "autoregressive":
         return
     if drafter is None:
-        raise ValueError(f"drafter: method {method!r} needs a drafter")
+        raise ValueError(f"drafter: method {method!r} needs a drafter: {DRAFTER_EXPECTED}, got None")
+    if drafter is target:
+        raise ValueError(
+            f"drafter: got the target model itself ({describe(drafter)}); method {method!r} needs "
+            f"{DRAFTER_EXPECTED}"
+        )
+    error = _interface_error("drafter", DRAFTER_EXPECTED, drafter, DRAFTER_NEEDS)
+    if error is not None:
+        raise error
     tcfg, dcfg = target.config, getattr(drafter, "config", None)
-    ids = tuple(drafter.target_layer_ids)
+    try:
+        ids = tuple(drafter.target_layer_ids)
+    except TypeError:
+        ids = None
+    if ids is None or not all(is_int(i) for i in ids):
+        raise ValueError(
+            f"drafter: target_layer_ids must be a sequence of ints, got {drafter.target_layer_ids!r}"
+        )
     if not ids:
         raise ValueError("drafter: target_layer_ids is empty")
     bad = [i for i in ids if not 0 <= int(i) < tcfg.num_hidden_layers]
@@ -58,8 +128,8 @@ def check_drafter(target, drafter, method: str) -> None:
         raise ValueError(
             f"drafter: target_layer_ids {bad} out of range for a target with {tcfg.num_hidden_layers} layers"
         )
-    if getattr(drafter, "block_size", 0) < 2:
-        raise ValueError(f"drafter: block_size must be >= 2, got {getattr(drafter, 'block_size', None)}")
+    if not is_int(drafter.block_size) or drafter.block_size < 2:
+        raise ValueError(f"drafter: block_size must be an int >= 2, got {drafter.block_size!r}")
     if dcfg is None:
         return
     if dcfg.hidden_size != tcfg.hidden_size:

@@ -17,6 +17,13 @@ import torch.nn.functional as F
 
 from kdtree_engine.tree_types import AcceptResult, DraftTree, VerifyInputs
 
+# The most nodes (root not counted) a tree op builds, for every impl: the Triton build packs node
+# indices into 16-bit fields and holds its frontier, next_pow2(budget) slots, in registers
+# (kernels/tree_build.py, whose MAX_BUDGET equals this); the reference, the specification of the
+# kernels, takes the same range. A verify forward of 4097 nodes already carries a 4097 x 4097 mask
+# per request.
+MAX_BUDGET = 4096
+
 
 def live(logprob: float) -> bool:
     """Whether a top-k entry may enter the tree: a -inf log-prob is a masked token (probability 0) and

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from kdtree_engine.impl import IMPLS, kernels_unavailable
-from kdtree_engine.ref.tree import MAX_VOCAB
+from kdtree_engine.ref.tree import MAX_BUDGET, MAX_VOCAB
 from kdtree_engine.tree import accept_greedy, build_tree_from_logits, compile_tree
 
 
@@ -52,6 +52,8 @@ def _argument_error(args: argparse.Namespace) -> str | None:
             return f"--{name}: expected >= {minimum}, got {getattr(args, name)}"
     if args.vocab > MAX_VOCAB:
         return f"--vocab: expected <= {MAX_VOCAB}, got {args.vocab}"
+    if args.budget > MAX_BUDGET:
+        return f"--budget: expected <= {MAX_BUDGET}, got {args.budget}"
     if kernels_unavailable(args.impl, "cuda" if torch.cuda.is_available() else "cpu"):
         return (
             f"--impl {args.impl} needs a CUDA GPU here; use --impl ref (or set TRITON_INTERPRET=1 to run "

@@ -31,13 +31,16 @@ def build_tree(
     """Best-first DDTree build from per-position top-k, exactly as the official builder.
 
     top_logprobs [B, L, K] float32 log-softmax values, rows sorted descending ([L, K] is taken as B=1);
-    top_ids [B, L, K] int64 token ids; budget >= 0 nodes, root not counted. Only the first
-    min(budget, K) columns are used. vocab_size, when given, bounds the ids. A -inf log-prob is a
-    masked token (probability 0): it never enters the tree (nor its subtree), so the tree may hold fewer
-    than `budget` nodes. NaN and +inf are refused when validating.
+    top_ids [B, L, K] int64 token ids; budget: nodes, root not counted, an int in [0, 4096]
+    (ref.tree.MAX_BUDGET, for every impl: the Triton build packs node indices into 16-bit fields and
+    keeps its frontier of next_pow2(budget) slots in registers; a larger budget is a ValueError naming
+    `budget`, before anything is allocated). Only the first min(budget, K) columns are used.
+    vocab_size, when given, bounds the ids. A -inf log-prob is a masked token (probability 0): it never
+    enters the tree (nor its subtree), so the tree may hold fewer than `budget` nodes. NaN and +inf are
+    refused when validating.
     Returns a DraftTree with tokens/depths [B, budget], parents [B, budget + 1], num_nodes [B].
     """
-    budget = v.check_int(budget, "budget")
+    budget = v.check_budget(budget)
     lp, ids = v.check_topk_inputs(top_logprobs, top_ids, vocab_size, validate)
     if resolve_impl(impl, lp.device) == "triton":
         return _kernels().build_tree(lp, ids, budget)
@@ -64,15 +67,16 @@ def _as_logits(draft_logits) -> torch.Tensor:
 def build_tree_from_logits(
     draft_logits, budget: int, *, impl: str | None = None, validate: bool = True
 ) -> DraftTree:
-    """draft_logits [B, L, V] (any float dtype; [L, V] is taken as B=1; 1 <= V <= 2^22): top-k with
-    k = min(budget, V) (ties: smaller token id first) of the float32 logits minus the log-softmax
-    normalizer (ref.tree.log_normalizer: bit-identical on every device and impl), then build_tree.
+    """draft_logits [B, L, V] (any float dtype; [L, V] is taken as B=1; 1 <= V <= 2^22), budget an int
+    in [0, 4096] (ref.tree.MAX_BUDGET, as build_tree): top-k with k = min(budget, V) (ties: smaller
+    token id first) of the float32 logits minus the log-softmax normalizer (ref.tree.log_normalizer:
+    bit-identical on every device and impl), then build_tree.
 
     -inf logits are masked tokens (probability 0): they never enter the tree, which may then hold
     fewer than `budget` nodes. Refused when validating: NaN, +inf, a row without a finite logit. With
     validate=False the kernel path checks nothing (no sync) and such rows give an undefined tree;
     impl="ref" reads the logits on the host anyway and always checks them."""
-    budget = v.check_int(budget, "budget")
+    budget = v.check_budget(budget)
     logits = _as_logits(draft_logits)
     use_ref = resolve_impl(impl, logits.device) == "ref"
     if (validate or use_ref) and v.can_read(logits):
@@ -217,6 +221,7 @@ def accept_sampled(
     offset: int | None = None,
     stream_keys: torch.Tensor | None = None,
     impl: str | None = None,
+    validate: bool = True,
 ) -> tuple[AcceptResult, torch.Tensor]:
     """Sampled verification: draw the target's token at every node, then walk as accept_greedy.
 
@@ -233,6 +238,10 @@ def accept_sampled(
       on the device; kernel impls on CUDA only. The same tokens as that (seed, offset).
     Given the same noise, or the same (seed, offset), the reference and the kernel return identical
     results (see ref/sampling.py for the exact rule).
+    validate: refuse target_logits holding NaN or +inf, or a row that is not a distribution (all -inf,
+    also after dividing by the temperature; the top-k / top-p filter always keeps a row's largest
+    logit), with one host sync (check_sampling_logits); skipped with validate=False and while a CUDA
+    graph is captured (such rows then sample an undefined token).
     Returns (AcceptResult, sampled [B, N] int64 target tokens).
     """
     _check_tree(tree)
@@ -244,13 +253,16 @@ def accept_sampled(
         raise ValueError(f"target_logits: expected shape {shape + ('V>=1',)}, got {tuple(logits.shape)}")
     v.require_float(logits, "target_logits")
     v.check_same_device({"tree": tree.tokens, "target_logits": logits})
+    use_kernels = resolve_impl(impl, tree.device) == "triton"
     if stream_keys is not None:
         noise = _check_stream_keys(stream_keys, noise, generator, seed, offset, logits, impl)
     else:
         noise = _check_noise(noise, generator, seed, offset, logits)
-    cutoffs = ref_sampling.sampling_cutoffs(logits, temperature, top_k, top_p)
     t32 = ref_sampling.float32_temperature(temperature)
-    if resolve_impl(impl, tree.device) == "triton":
+    if validate and v.can_read(logits):
+        v.check_sampling_logits(logits, "target_logits", t32)
+    cutoffs = ref_sampling.sampling_cutoffs(logits, temperature, top_k, top_p)
+    if use_kernels:
         kernels = _kernels()
         sampled = kernels.sample_tokens(logits.contiguous(), noise, cutoffs, t32)
         return kernels.accept_greedy(tree, sampled), sampled

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kdtree_engine.impl import capturing
+from kdtree_engine.ref import tree as ref_tree
 
 
 def can_read(x: torch.Tensor) -> bool:
@@ -27,12 +28,23 @@ def as_tensor(x, name: str) -> torch.Tensor:
     raise ValueError(f"{name}: expected a torch.Tensor or numpy array, got {type(x).__name__}")
 
 
-def check_int(value, name: str, *, minimum: int = 0) -> int:
+def check_int(value, name: str, *, minimum: int = 0, maximum: int | None = None, why: str = "") -> int:
+    """value as an int in [minimum, maximum] (no upper bound when maximum is None); `why`, when given,
+    explains the upper bound in the error."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name}: expected >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        because = f" ({why})" if why else ""
+        raise ValueError(f"{name}: expected an int in [{minimum}, {maximum}]{because}, got {value}")
     return int(value)
+
+
+def check_budget(budget) -> int:
+    """The tree budget as an int in [0, ref.tree.MAX_BUDGET], checked before anything is allocated."""
+    why = "the most nodes a tree op builds, every impl"
+    return check_int(budget, "budget", maximum=ref_tree.MAX_BUDGET, why=why)
 
 
 def check_rank(x: torch.Tensor, name: str, rank: int, dims: str) -> None:
@@ -96,6 +108,37 @@ def _raise_bad_values(x: torch.Tensor, row_max: torch.Tensor, name: str) -> None
             raise ValueError(f"{name}: contains {what} at {index_str(row * x.shape[-1] + col, x.shape)}")
     row = int((row_max == float("-inf")).reshape(-1).nonzero()[0])
     raise ValueError(f"{name}: row {index_str(row, row_max.shape)} has no finite logit (all -inf)")
+
+
+def check_sampling_logits(x: torch.Tensor, name: str, temperature: float) -> None:
+    """Target logits [..., V] that accept_sampled draws from, temperature the float32 value it divides
+    by: NaN and +inf refused, and every row must be a distribution: its largest logit divided by the
+    temperature (float32, as both impls divide) must not be -inf. The largest logit always passes the
+    top-k / top-p filter (the cutoff is a logit of the row, never above its maximum), so this is the
+    filtered row holding a token of nonzero probability. One reduction (the row max, which propagates
+    NaN) and one host sync; an error names the first offending index."""
+    if x.numel() == 0:
+        return
+    row_max = x.amax(-1)
+    # A tensor divisor: torch divides by a Python scalar as a multiply by its reciprocal on CUDA.
+    tempered = row_max.float() / torch.full_like(row_max, temperature, dtype=torch.float32)
+    bad = torch.isnan(row_max) | (row_max == float("inf")) | (tempered == float("-inf"))
+    if not bool(bad.any()):
+        return
+    if bool((torch.isnan(row_max) | (row_max == float("inf"))).any()):
+        _raise_bad_values(x, row_max, name)
+    empty = row_max == float("-inf")
+    if bool(empty.any()):
+        row = int(empty.reshape(-1).nonzero()[0])
+        raise ValueError(
+            f"{name}: row {index_str(row, row_max.shape)} has no finite logit (all -inf): not a distribution"
+        )
+    row = int((tempered == float("-inf")).reshape(-1).nonzero()[0])
+    top = float(row_max.reshape(-1)[row])
+    raise ValueError(
+        f"{name}: row {index_str(row, row_max.shape)} is -inf everywhere after dividing by temperature="
+        f"{temperature:g} (its largest logit is {top:g}): not a distribution; raise the temperature"
+    )
 
 
 def check_ranges(named: dict[str, tuple[torch.Tensor, int | None]]) -> None:
