@@ -23,7 +23,7 @@ COMMANDS = {
     "generate": ("kdtree_engine.engine.cli", "generate text with autoregressive, DFlash or DDTree decoding"),
 }
 BENCHMARKS = {
-    "tree": ("kdtree_engine.bench.tree", "GPU tree build/compile/accept against CPU builders"),
+    "tree": ("kdtree_engine.bench.tree", "tree build/compile/accept kernels against CPU builders (CUDA)"),
     "attention": ("kdtree_engine.bench.attention", "tree-verify MLA attention against naive torch"),
     "e2e": ("kdtree_engine.bench.e2e", "whole generation runs: autoregressive, DFlash and DDTree"),
     "sglang": ("kdtree_engine.bench.sglang", "the SGLang DDTree port's tree path against our drop-in"),

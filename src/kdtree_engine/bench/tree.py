@@ -1,6 +1,9 @@
 """`kdtree-engine bench tree`: our GPU tree path against the CPU builders serving engines run today.
 
-Per (batch B, budget) on the same random bf16 drafter logits [B, L, V]:
+Per (batch B, budget) on the same random bf16 drafter logits [B, L, V]; our kernels' columns are
+labelled by the device they run on ("gpu ..." on CUDA; "cpu ..." on the CPU, where they run in the
+Triton interpreter: a correctness run, far slower than any CPU code, so the CPU defaults are a small
+size set that finishes in seconds):
 - gpu topk->tree: kernels.build_tree from a precomputed top-k (the build alone);
 - gpu logits->tree: top-k + log-softmax normalizer over V + build (kernels.build_tree_from_logits);
 - gpu compile, gpu accept: compile_tree and accept_greedy on the built trees;
@@ -36,19 +39,40 @@ import torch
 
 from kdtree_engine.bench.plot import markdown_table, plot_series
 
+# Default sizes per device: the GPU's cover serving engines; the CPU's finish in seconds (the kernels
+# run in the Triton interpreter there: about 1000x slower than on a GPU).
+SIZES = {
+    "cuda": {
+        "batch": [1, 8, 64],
+        "depth": 15,
+        "budgets": [8, 16, 32, 64, 128],
+        "vocab": 163840,
+        "host_iters": 5,
+    },
+    "cpu": {"batch": [1, 2], "depth": 3, "budgets": [4, 8], "vocab": 256, "host_iters": 1},
+}
+
+
+def _size_help(name: str, what: str) -> str:
+    return f"{what} (default: {SIZES['cuda'][name]} on CUDA, {SIZES['cpu'][name]} on the CPU)"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="batch sizes B")
-    parser.add_argument("--depth", type=int, default=15, help="draft block length L")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
-    parser.add_argument("--vocab", type=int, default=163840, help="vocabulary size V (Kimi-K2: 163840)")
+    parser.add_argument(
+        "--batch", type=int, nargs="+", default=None, help=_size_help("batch", "batch sizes B")
+    )
+    parser.add_argument("--depth", type=int, default=None, help=_size_help("depth", "draft block length L"))
+    parser.add_argument("--budgets", type=int, nargs="+", default=None, help=_size_help("budgets", "budgets"))
+    parser.add_argument("--vocab", type=int, default=None, help=_size_help("vocab", "vocabulary size V"))
     parser.add_argument("--peer", action="append", default=[], metavar="NAME=PATH",
                         help="a peer from a local checkout: official, sglang, sglang-triton")  # fmt: skip
     parser.add_argument("--out", default="out/bench_tree", help="directory for the table, plot and json")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--graph-calls", type=int, default=10, help="calls captured per CUDA graph")
     parser.add_argument("--iters", type=int, default=50, help="timed graph replays")
-    parser.add_argument("--host-iters", type=int, default=5, help="timed runs of host builders")
+    parser.add_argument(
+        "--host-iters", type=int, default=None, help=_size_help("host_iters", "timed runs of host code")
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -176,6 +200,11 @@ def _gpu_peer_row(name: str, make, budget: int, logits, lp, ids, roots, starts, 
     return row
 
 
+def _label(device: torch.device) -> str:
+    """The device our kernels run on, as the column labels say it: "gpu" or "cpu"."""
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
 def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, gpu_peers: dict, args) -> dict:
     from kdtree_engine.kernels import tree as kernels
     from kdtree_engine.ref import tree as ref
@@ -193,11 +222,12 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, gpu_pe
     def timed(fn):
         return _gpu_us(fn, args.graph_calls, args.iters) if on_gpu else _host_us(fn, args.host_iters, dev)
 
+    dev_label = _label(dev)
     row = {"B": b, "budget": budget}
-    row["gpu topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
-    row["gpu logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
-    row["gpu compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
-    row["gpu accept"] = timed(lambda: kernels.accept_greedy(tree, target))
+    row[f"{dev_label} topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
+    row[f"{dev_label} logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
+    row[f"{dev_label} compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
+    row[f"{dev_label} accept"] = timed(lambda: kernels.accept_greedy(tree, target))
     lp_host, ids_host = lp.cpu(), ids.cpu()
     want = ref.build_tree(lp_host, ids_host, budget)
     row["exact vs ref"] = all(
@@ -217,13 +247,13 @@ def _ratio(a: float | None, b: float | None) -> str | None:
     return None if a is None or b is None else f"{a / b:.3g}x"
 
 
-def _report(rows: list[dict], peers: list[str], gpu_peers: list[str], header: str, out: Path) -> str:
-    cols = ["gpu topk->tree", "gpu logits->tree", "gpu compile", "gpu accept"]
-    cols += ["gpu topk->verify", "gpu logits->verify"] if gpu_peers else []
+def _report(
+    rows: list[dict], peers: list[str], gpu_peers: list[str], header: str, out: Path, dev_label: str
+) -> str:
+    ours = [f"{dev_label} {c}" for c in ("topk->tree", "logits->tree", "compile", "accept")]
+    cols = ours + (["gpu topk->verify", "gpu logits->verify"] if gpu_peers else [])
     cols += ["cpu ref", *peers, *[f"{p} {c}" for p in gpu_peers for c in ("topk->verify", "logits->verify")]]
-    ratios = [("cpu ref", "gpu topk->tree")] + [
-        (p, c) for p in peers for c in ("gpu topk->tree", "gpu logits->tree")
-    ]
+    ratios = [("cpu ref", ours[0])] + [(p, c) for p in peers for c in ours[:2]]
     ratios += [(f"gpu {c}", f"{p} {c}") for p in gpu_peers for c in ("topk->verify", "logits->verify")]
     same = [f"{p} same trees from {k}" for p in gpu_peers for k in ("topk", "logits")]
     headers = ["B", "budget", *[f"{c} (us)" for c in cols], *[f"{a} / {b_}" for a, b_ in ratios], "exact"]
@@ -248,12 +278,22 @@ def _report(rows: list[dict], peers: list[str], gpu_peers: list[str], header: st
     return text + ("" if plotted else "\n(matplotlib missing: no plot written)\n")
 
 
+def _fill_sizes(args: argparse.Namespace, device: torch.device) -> None:
+    """The sizes left out take the device's defaults (SIZES)."""
+    for name, value in SIZES["cuda" if device.type == "cuda" else "cpu"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def main(args: argparse.Namespace) -> int:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
+    _fill_sizes(args, device)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # kernels run through the Triton interpreter
+        print("CPU: our kernels run in the Triton interpreter (a correctness run; their times are not "
+              "CPU speeds), small default sizes", file=sys.stderr)  # fmt: skip
     peers, gpu_peers = _load_peers(args.peer)
     if gpu_peers and device.type != "cuda":
         print(f"{', '.join(gpu_peers)}: needs CUDA, skipped", file=sys.stderr)
@@ -276,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
         for budget in args.budgets:
             rows.append(_bench_config(b, budget, logits, peers, gpu_peers, args))
             print(json.dumps(rows[-1]), flush=True)
-    text = _report(rows, list(peers), list(gpu_peers), header, out)
+    text = _report(rows, list(peers), list(gpu_peers), header, out, _label(device))
     (out / "tree_bench.md").write_text(text)
     (out / "tree_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     print(text)
