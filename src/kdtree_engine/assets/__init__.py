@@ -1,6 +1,8 @@
 """The shipped default models: kimi-nano (a trained Kimi-K2-architecture target, ~18M parameters) and
 its trained DFlash drafter, as Hugging Face-style folders read by the same loaders as any checkpoint.
-`train/` holds the commands that reproduce them; docs/kimi-nano.md how they were trained."""
+`train/` holds the commands that reproduce them; docs/kimi-nano.md how they were trained. Load them with
+`kdtree_engine.model.load_model(KIMI_NANO)`, `kdtree_engine.drafter.load_drafter(KIMI_NANO_DFLASH)` and
+`kdtree_engine.engine.load_tokenizer(KIMI_NANO)`."""
 
 from __future__ import annotations
 
@@ -13,15 +15,11 @@ KIMI_NANO_DFLASH = ASSETS / "kimi-nano-dflash"
 
 
 def heldout_prompts(model_dir: Path = KIMI_NANO) -> list[dict]:
-    """The code-completion prompts cut from held-out files of the corpus: [{"source", "text"}]."""
+    """The code-completion prompts cut from held-out files of the corpus: [{"source", "text"}]. Each ends
+    with a `def` line before its newline, as training text goes on (the BPE merges a newline with the
+    next line's indentation): the model writes the body. A prompt ending in a bare newline is unlike
+    any training text, and the model then skips the body."""
     path = Path(model_dir) / "heldout_prompts.json"
     if not path.is_file():
         raise ValueError(f"prompts: {path} is missing")
     return json.loads(path.read_text())["prompts"]
-
-
-def load_tokenizer(model_dir: Path = KIMI_NANO):
-    """The model folder's tokenizer.json through `tokenizers` (no transformers needed)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))

@@ -490,19 +490,22 @@ def main_small(args: argparse.Namespace, device: torch.device) -> int:
 
 def nano_prompts(count: int) -> list[list[int]]:
     """The first `count` held-out code-completion prompts of kimi-nano, as token ids."""
-    from kdtree_engine.assets import heldout_prompts, load_tokenizer
+    from kdtree_engine.assets import KIMI_NANO, heldout_prompts
+    from kdtree_engine.engine.tokenizer import load_tokenizer
 
     texts = [p["text"] for p in heldout_prompts()]
     if not 1 <= count <= len(texts):
         raise ValueError(f"--prompts: expected 1 to {len(texts)} (the held-out prompts), got {count}")
-    tokenizer = load_tokenizer()
-    return [tokenizer.encode(t).ids for t in texts[:count]]
+    tokenizer = load_tokenizer(KIMI_NANO)
+    return [tokenizer.encode(t) for t in texts[:count]]
 
 
 def drafter_path(spec: str | None) -> Path | None:
-    """--drafter as a directory (default: the shipped kimi-nano drafter), None for "random";
-    FileNotFoundError with what to do when the directory is not there."""
+    """--drafter as a checked checkpoint directory (default: the shipped kimi-nano drafter), None for
+    "random"; FileNotFoundError with what to do when the directory is not there (engine.checkpoint's
+    checks otherwise)."""
     from kdtree_engine.assets import KIMI_NANO_DFLASH
+    from kdtree_engine.engine.checkpoint import checkpoint_dir
 
     if spec == "random":
         return None
@@ -512,7 +515,7 @@ def drafter_path(spec: str | None) -> Path | None:
             f"--drafter: {path} does not exist (the trained kimi-nano drafter comes from "
             "`kdtree-engine train drafter`); pass --drafter DIR, or --drafter random for an untrained one"
         )
-    return path
+    return checkpoint_dir(path, "--drafter", drafter=True)
 
 
 def nano_drafter(path: Path | None, target, mask_token_id: int):
@@ -534,8 +537,9 @@ def device_label(device: torch.device) -> str:
 
 
 def main_nano(args: argparse.Namespace, device: torch.device) -> int:
-    from kdtree_engine.assets import KIMI_NANO, load_tokenizer
+    from kdtree_engine.assets import KIMI_NANO
     from kdtree_engine.bench import experts
+    from kdtree_engine.engine.tokenizer import load_tokenizer
     from kdtree_engine.model import load_model
 
     t0 = time.perf_counter()
@@ -546,7 +550,7 @@ def main_nano(args: argparse.Namespace, device: torch.device) -> int:
     batch_sizes(args, device)  # bad arguments fail before anything is loaded
     path = drafter_path(args.drafter)
     target = load_model(KIMI_NANO, dtype=dtype, device=device)
-    drafter, drafter_label = nano_drafter(path, target, load_tokenizer().token_to_id("<|mask|>"))
+    drafter, drafter_label = nano_drafter(path, target, load_tokenizer(KIMI_NANO).token_id("<|mask|>"))
     c = target.config
     params = sum(p.numel() for p in target.parameters())
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
