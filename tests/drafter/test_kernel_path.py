@@ -96,9 +96,9 @@ def test_a_context_of_no_rows_still_drafts(device):
 
 
 def test_impl_is_checked_and_float64_runs_the_reference():
-    drafter = random_drafter(CFG, seed=5, dtype=torch.float64)
-    block, ctx = torch.randn(1, CFG.block_size, CFG.hidden_size, dtype=torch.float64), torch.randn(1, 2, F_IN)
-    args = (block, ctx.double(), torch.tensor([2]), torch.tensor([2]))
+    drafter = random_drafter(CFG, seed=5, dtype=torch.float64)  # on the CPU, even on CUDA machines
+    block = torch.randn(1, CFG.block_size, CFG.hidden_size, dtype=torch.float64)
+    args = (block, torch.randn(1, 2, F_IN, dtype=torch.float64), torch.tensor([2]), torch.tensor([2]))
     with pytest.raises(ValueError, match="impl"):
         drafter(*args, drafter.new_cache(1, 8), impl="cuda")
     assert not drafter.uses_kernels("triton", block.device)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdtree_engine.drafter.config import DFlashConfig
-from kdtree_engine.impl import resolve_impl
+from kdtree_engine.impl import check_impl, resolve_impl
 from kdtree_engine.model.mla import RMSNorm  # the same norm as Qwen3RMSNorm: float32 statistics
 
 
@@ -186,10 +186,12 @@ class DFlashDrafter(nn.Module):
     def uses_kernels(self, impl: str | None, device: torch.device) -> bool:
         """Whether a forward on `device` with `impl` runs the Triton kernels (drafter/fused.py): a kernel
         impl ("triton", "hopper", or None on CUDA) and float32 / bf16 / fp16 weights; else the torch
-        reference (float64 always). ValueError naming `impl` for an unknown one or a kernel impl off
-        CUDA without the Triton interpreter."""
-        kernel = resolve_impl(impl, device) == "triton"
-        return kernel and self.fc.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        reference (float64 always, whatever the device). ValueError naming `impl` for an unknown one,
+        or a kernel impl for float32 / bf16 / fp16 off CUDA without the Triton interpreter."""
+        check_impl(impl)
+        if self.fc.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        return resolve_impl(impl, device) == "triton"
 
     @torch.no_grad()
     def forward(
