@@ -26,14 +26,14 @@ from kdtree_engine.engine.checkpoint import (
     load_checkpoints,
     read_checkpoints,
 )
-from kdtree_engine.engine.checks import check_drafter, check_memory, check_prompts, check_stop_tokens
+from kdtree_engine.engine.checks import check_drafter, check_prompts, check_stop_tokens
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.loop import GenerationOutput, generate
-from kdtree_engine.engine.memory import cache_rows, generation_needs, request_limits, weights_bytes
+from kdtree_engine.engine.memory import check_memory_before_loading, clamp_note, request_limits
 from kdtree_engine.engine.stats import round_cost
 from kdtree_engine.engine.text import TextStream
 from kdtree_engine.engine.tokenizer import Tokenizer, load_tokenizer
-from kdtree_engine.impl import IMPLS, kernels_unavailable, resolve_impl
+from kdtree_engine.impl import IMPLS, kernels_unavailable
 from kdtree_engine.train.options import add_config_arguments, config_from_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -235,15 +235,9 @@ def _progress(message: str) -> None:
 
 def _note_clamped(config: GenerationConfig, prompts: list[list[int]], context: int | None) -> None:
     """One line on stderr when max_new_tokens does not fit the target's context after a prompt."""
-    limits = request_limits([len(p) for p in prompts], config.max_new_tokens, context)
-    if min(limits) >= config.max_new_tokens:
-        return
-    r = limits.index(min(limits))
-    _progress(
-        f"max_new_tokens: {config.max_new_tokens} is past the target's context of {context} positions; "
-        f"each request stops at its end (request {r}: {len(prompts[r])} prompt tokens, at most "
-        f"{limits[r]} new)"
-    )
+    note = clamp_note(config.max_new_tokens, [len(p) for p in prompts], context)
+    if note:
+        _progress(note)
 
 
 # --- sessions --------------------------------------------------------------------------------------
@@ -288,37 +282,26 @@ def _random_demo(args, config: GenerationConfig, methods: list[str]) -> _Session
 
 def _kimi_nano_args(args) -> tuple[argparse.Namespace, str]:
     """(the arguments of the default demo, the intro to print): the embedded kimi-nano folders as --model
-    and --drafter and, without a prompt, the first held-out code-completion prompt."""
-    from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH, heldout_prompts
+    and --drafter and, without a prompt, the first held-out code-completion prompt (engine.demo)."""
+    from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH
+    from kdtree_engine.engine.demo import as_training_text, kimi_nano_prompt
 
     if args.model is not None or args.drafter is not None:
         raise ValueError("--demo: the demo brings its own model and drafter; drop --model/--drafter")
     args = argparse.Namespace(**vars(args))
     args.model, args.drafter = str(KIMI_NANO), str(KIMI_NANO_DFLASH)
-    if args.prompts:
-        args.prompts = [(kind, _as_training_text(kind, value)) for kind, value in args.prompts]
-        return args, ""
-    prompt = heldout_prompts()[0]
-    args.prompts = [("text", prompt["text"])]
-    intro = (
-        f"--- prompt: held-out code from the Python standard library ({prompt['source']}); it ends with a "
-        "def line, before its newline, as training text goes on: the model writes the body ---\n"
-        f"{prompt['text']}"
-    )
-    return args, intro
-
-
-def _as_training_text(kind: str, text: str) -> str:
-    """A kimi-nano text prompt without the newlines at its end: its BPE merges a newline with the next
-    line's indentation, so no training text has a bare newline before a body, and after one the model
-    skips the body. Said on stderr when it happens."""
-    if kind != "text" or not text.endswith("\n") or not text.strip():
-        return text
-    _progress(
-        "--prompt: the newline at its end is dropped: kimi-nano's tokenizer merges a newline with the "
-        "next line's indentation, so the model writes both itself"
-    )
-    return text.rstrip("\n")
+    if not args.prompts:
+        text, intro = kimi_nano_prompt()
+        args.prompts = [("text", text)]
+        return args, intro
+    texts = [(kind, as_training_text(value) if kind == "text" else value) for kind, value in args.prompts]
+    if texts != args.prompts:
+        _progress(
+            "--prompt: the newline at its end is dropped: kimi-nano's tokenizer merges a newline with the "
+            "next line's indentation, so the model writes both itself"
+        )
+    args.prompts = texts
+    return args, ""
 
 
 def _checkpoint_config(args, checkpoints: Checkpoints) -> tuple[GenerationConfig, str]:
@@ -336,35 +319,6 @@ def _checkpoint_config(args, checkpoints: Checkpoints) -> tuple[GenerationConfig
     if args.ignore_eos:
         defaults["stop_tokens"] = ()
     return _config(args, defaults), note
-
-
-def _check_memory_first(
-    checkpoints: Checkpoints, config: GenerationConfig, prompts, methods, dtype, device: str
-) -> None:
-    """Each method's caches and largest buffers plus the weights, against the free memory of device,
-    before anything is loaded (engine.memory; a ValueError naming the field to lower)."""
-    cfg, where = checkpoints.target_config, torch.device(device)
-    drafter_config = checkpoints.drafter_config if methods != ["autoregressive"] else None
-    weights = weights_bytes(cfg, dtype, drafter_config)
-    lengths = [len(p) for p in prompts]
-    limits = request_limits(lengths, config.max_new_tokens, cfg.max_position_embeddings)
-    for method in methods:
-        block = checkpoints.block_size if method != "autoregressive" else 1
-        budget = replace(config, method=method).tree_budget(block)
-        needs = generation_needs(
-            cfg,
-            dtype,
-            prompt_lengths=lengths,
-            max_len=cache_rows(lengths, limits, method, budget, block),
-            budget=budget,
-            block_size=block,
-            reference_attention=resolve_impl(config.impl, where) == "ref",
-            drafter_config=drafter_config if block > 1 else None,
-        )
-        check_memory(
-            where,
-            {**needs, "dtype": (f"loading the weights in {str(dtype).removeprefix('torch.')}", weights)},
-        )
 
 
 def _checkpoint_session(args, config: GenerationConfig, methods: list[str], intro: str) -> _Session:
@@ -391,7 +345,7 @@ def _checkpoint_session(args, config: GenerationConfig, methods: list[str], intr
     prompts = check_prompts(_prompts(args, tok), cfg.vocab_size, cfg.max_position_embeddings)
     check_stop_tokens(config.stop_tokens, cfg.vocab_size)
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")]
-    _check_memory_first(checkpoints, config, prompts, methods, dtype, args.device)
+    check_memory_before_loading(checkpoints, config, [len(p) for p in prompts], methods, dtype, args.device)
     if note:
         _progress(note)
     _note_clamped(config, prompts, cfg.max_position_embeddings)

@@ -1,4 +1,5 @@
-"""The no-download demo: a seeded tiny random DeepSeek-V3 target and a drafter for it.
+"""The no-download demos: the shipped kimi-nano's prompt choice (`kimi_nano_prompt`, `as_training_text`),
+and `--demo random`: a seeded tiny random DeepSeek-V3 target and a drafter for it.
 
 A random target has no trained drafter, so the demo's default drafter is a labelled stand-in,
 `NoisyOracleDrafter`: it is handed the target's greedy continuation (computed up front by plain
@@ -17,6 +18,28 @@ import torch
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
 
 DEMO_PROMPT = [1, 17, 42, 5, 99, 23, 64, 8]
+
+
+def kimi_nano_prompt(index: int = 0) -> tuple[str, str]:
+    """(text, intro): kimi-nano's held-out code-completion prompt `index` and the lines that present
+    it. It ends with a def line, before its newline, as training text goes on, so the model writes the
+    body (assets.heldout_prompts)."""
+    from kdtree_engine.assets import heldout_prompts
+
+    prompt = heldout_prompts()[index]
+    intro = (
+        f"--- prompt: held-out code from the Python standard library ({prompt['source']}); it ends with a "
+        "def line, before its newline, as training text goes on: the model writes the body ---\n"
+        f"{prompt['text']}"
+    )
+    return prompt["text"], intro
+
+
+def as_training_text(text: str) -> str:
+    """A kimi-nano text prompt without the newlines at its end: its BPE merges a newline with the next
+    line's indentation, so no training text has a bare newline before a body, and after one the model
+    skips the body. A prompt of newlines only is left alone."""
+    return text.rstrip("\n") if text.strip() else text
 
 
 def demo_target(device="cpu", dtype=torch.float32):
@@ -118,4 +141,13 @@ def demo_drafter(kind: str, target, prompts: list[list[int]], max_new_tokens: in
     return NoisyOracleDrafter(seqs, target.config.vocab_size, block_size, device=target.device)
 
 
-__all__ = ["DEMO_PROMPT", "NoisyOracleDrafter", "RequestIndex", "RequestRows", "demo_drafter", "demo_target"]
+__all__ = [
+    "DEMO_PROMPT",
+    "NoisyOracleDrafter",
+    "RequestIndex",
+    "RequestRows",
+    "as_training_text",
+    "demo_drafter",
+    "demo_target",
+    "kimi_nano_prompt",
+]

@@ -14,8 +14,12 @@ draft logits), `prompts` (the prefill's reference attention scores) and, for the
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
+
+from kdtree_engine.engine.checks import check_memory
+from kdtree_engine.impl import resolve_impl
 
 Needs = dict[str, tuple[str, int]]  # field -> (what needs the memory: a singular subject, bytes)
 SCORE_COPIES = 3  # the reference attention holds the scores, their masked copy and the softmax at once
@@ -96,4 +100,54 @@ def weights_bytes(model_config, dtype: torch.dtype, drafter_config=None) -> int:
     return count * dtype.itemsize
 
 
-__all__ = ["Needs", "cache_rows", "generation_needs", "request_limits", "weights_bytes"]
+def clamp_note(max_new_tokens: int, prompt_lengths: Sequence[int], context: int | None) -> str:
+    """The line that says max_new_tokens is clamped to the context (request_limits), or "" when every
+    request has room for it."""
+    limits = request_limits(prompt_lengths, max_new_tokens, context)
+    if min(limits) >= max_new_tokens:
+        return ""
+    r = limits.index(min(limits))
+    return (
+        f"max_new_tokens: {max_new_tokens} is past the target's context of {context} positions; each "
+        f"request stops at its end (request {r}: {prompt_lengths[r]} prompt tokens, at most {limits[r]} new)"
+    )
+
+
+def check_memory_before_loading(
+    checkpoints, config, prompt_lengths: Sequence[int], methods: Sequence[str], dtype: torch.dtype, device
+) -> None:
+    """For each method to run: its caches and largest buffers plus the weights (engine.checkpoint's
+    Checkpoints: the configs, no weight read yet) against the free memory of device; a ValueError
+    naming the field to lower (checks.check_memory; "dtype" when the weights are the largest)."""
+    cfg, where = checkpoints.target_config, torch.device(device)
+    drafter_config = checkpoints.drafter_config if list(methods) != ["autoregressive"] else None
+    weights = (
+        f"loading the weights in {str(dtype).removeprefix('torch.')}",
+        weights_bytes(cfg, dtype, drafter_config),
+    )
+    limits = request_limits(prompt_lengths, config.max_new_tokens, cfg.max_position_embeddings)
+    for method in methods:
+        block = checkpoints.block_size if method != "autoregressive" else 1
+        budget = replace(config, method=method).tree_budget(block)
+        needs = generation_needs(
+            cfg,
+            dtype,
+            prompt_lengths=prompt_lengths,
+            max_len=cache_rows(prompt_lengths, limits, method, budget, block),
+            budget=budget,
+            block_size=block,
+            reference_attention=resolve_impl(config.impl, where) == "ref",
+            drafter_config=drafter_config if block > 1 else None,
+        )
+        check_memory(where, {**needs, "dtype": weights})
+
+
+__all__ = [
+    "Needs",
+    "cache_rows",
+    "check_memory_before_loading",
+    "clamp_note",
+    "generation_needs",
+    "request_limits",
+    "weights_bytes",
+]
