@@ -441,10 +441,10 @@ def generate(
     """
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config: expected a GenerationConfig, got {type(config).__name__}")
+    method, max_new_tokens = config.method, config.max_new_tokens
+    checks.check_drafter(target, drafter, method)  # the target first (checks.check_target)
     cfg = target.config
     limit = getattr(cfg, "max_position_embeddings", None)
-    method, max_new_tokens = config.method, config.max_new_tokens
-    checks.check_drafter(target, drafter, method)
     prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
     stops = checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
     matchers = _stop_matchers(config, tokenizer, len(prompts))
