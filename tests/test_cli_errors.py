@@ -324,6 +324,28 @@ def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     assert rc == 130 and _one_line(err) == "kdtree-engine generate: interrupted\n"
 
 
+def test_ctrl_c_swallowed_by_an_import_still_stops(capsys, monkeypatch):
+    """An extension module's start-up may swallow the KeyboardInterrupt of a Ctrl-C (importing torch
+    does at one point): the command still stops, one line, 130."""
+    import signal
+
+    import kdtree_engine.cli as cli
+
+    real = cli.build_parser
+
+    def swallowing_import():
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pass  # what the extension module did
+        return real()
+
+    monkeypatch.setattr(cli, "build_parser", swallowing_import)
+    rc, out, err = _run(capsys, "generate", "--demo", "random", "--max-new-tokens", "2")
+    assert (rc, out) == (130, "") and _one_line(err) == "kdtree-engine generate: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
 def _subprocess(argv: list[str], **popen):
     """kdtree-engine argv in a fresh interpreter (its own stdout): the Popen."""
     import os

@@ -15,6 +15,7 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 
 COMMANDS = {
@@ -162,10 +163,44 @@ def _command_name(args: argparse.Namespace | None, argv: list[str] | None) -> st
     return next((w for w in words if w in COMMANDS or w in ("bench", "train")), "")
 
 
+class _CtrlC:
+    """Remembers a Ctrl-C as well as raising KeyboardInterrupt: an extension module's start-up can
+    swallow the exception (importing torch clears a pending one at one point), and the command must
+    still stop. Installed only where SIGINT has Python's default handler (not where it is ignored,
+    as in a background job) and in the main thread."""
+
+    def __init__(self) -> None:
+        self.pressed, self.installed = False, False
+
+    def __enter__(self) -> _CtrlC:
+        try:
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                signal.signal(signal.SIGINT, self._handle)
+                self.installed = True
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
 def _run(argv: list[str] | None, parsed: list) -> int:
     """Parses argv (the subcommand modules are imported here) and runs the subcommand; parsed[0] is
     the parsed arguments once known, for the messages."""
-    args = build_parser().parse_args(argv)
+    with _CtrlC() as ctrl_c:
+        parser = build_parser()
+        ctrl_c.check()  # pressed while the subcommands' modules were imported
+    args = parser.parse_args(argv)
     parsed.append(args)
     if getattr(args, "_missing", False):
         print(f"kdtree-engine: '{_command_name(args, argv)}' is not available in this build", file=sys.stderr)
