@@ -130,7 +130,9 @@ def test_errors_exit_2(capsys, argv, message):
 
 def test_impl_choices_and_config():
     """--impl takes the implementation vocabulary (default None: the fastest that applies), and the
-    arguments become one GenerationConfig."""
+    arguments become one GenerationConfig: one flag per field, derived from it (train.options)."""
+    import dataclasses
+
     from kdtree_engine.cli import build_parser
     from kdtree_engine.engine import GenerationConfig, SamplingParams
     from kdtree_engine.engine.cli import _config
@@ -139,6 +141,12 @@ def test_impl_choices_and_config():
     assert parse(["generate"]).impl is None
     for impl in ("ref", "triton", "hopper"):
         assert parse(["generate", "--impl", impl]).impl == impl
+    assert _config(parse(["generate"])) == GenerationConfig()  # the flags' defaults are the config's
+    dests = {a.dest for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions}
+    fields = {f.name for f in dataclasses.fields(GenerationConfig) if f.name != "sampling"}
+    assert fields | {f.name for f in dataclasses.fields(SamplingParams)} <= dests  # one flag per field
+    off = parse(["generate", "--no-cuda-graphs", "--stop-string", "a", "--stop-string", "b", "--stop", "1"])
+    assert _config(off) == GenerationConfig(cuda_graphs=False, stop_strings=("a", "b"), stop_tokens=(1,))
     args = parse(["generate", "--method", "dflash", "--budget", "8", "--temperature", "0.5", "--stop", "3"])
     assert _config(args) == GenerationConfig(
         max_new_tokens=64,

@@ -60,6 +60,7 @@ HELP = {
     "replayed from CUDA graphs captured after the first one; the tokens are the same)",
 }
 FLAGS = {"stop_tokens": "--stop", "stop_strings": "--stop-string"}
+METAVARS = {"stop_tokens": "ID", "stop_strings": "S"}
 FROM_GENERATION_CONFIG = ("max_new_tokens", "temperature", "top_p", "top_k")
 
 EPILOG = """\
@@ -164,7 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG
     _add_sources(parser)
-    add_config_arguments(parser, GenerationConfig, HELP, flags=FLAGS, deferred=FROM_GENERATION_CONFIG)
+    add_config_arguments(
+        parser, GenerationConfig, HELP, flags=FLAGS, deferred=FROM_GENERATION_CONFIG, metavars=METAVARS
+    )
     _add_run_options(parser)
 
 

@@ -75,20 +75,25 @@ def add_config_arguments(
     *,
     flags: dict[str, str] | None = None,
     deferred: tuple[str, ...] = (),
+    metavars: dict[str, str] | None = None,
 ) -> None:
     """Options for the fields of `cls` (see the module docstring). help_texts: field name -> help.
     flags: field name -> option string where it is not `--field-name` (and the tuple fields that get
     an option). deferred: fields whose option defaults to None ("not given"), so that
     config_from_args can take a value from elsewhere (e.g. a checkpoint's generation_config.json)
-    before the field's default; their help ends with the field's default."""
-    flags = flags or {}
+    before the field's default; their help ends with the field's default. metavars: field name -> the
+    placeholder of its value in the help (default: the field name in capitals)."""
+    flags, metavars = flags or {}, metavars or {}
     for field in dataclasses.fields(cls):
         nested = _nested(cls, field)
         if nested is not None:
-            add_config_arguments(parser, nested, help_texts, flags=flags, deferred=deferred)
+            add_config_arguments(
+                parser, nested, help_texts, flags=flags, deferred=deferred, metavars=metavars
+            )
             continue
         flag = flags.get(field.name, "--" + field.name.replace("_", "-"))
         help_text = help_texts.get(field.name, "")
+        value = {"metavar": metavars[field.name]} if field.name in metavars else {}
         default = _default(field)
         if field.name in deferred and "default" not in help_text:
             help_text = f"{help_text} (default: {default})".lstrip()
@@ -101,11 +106,11 @@ def add_config_arguments(
             parser.add_argument(off, dest=field.name, action="store_const", const=False, help=help_text)
         elif _scalar_type(cls, field) is not None:
             kind = _scalar_type(cls, field)
-            parser.add_argument(flag, dest=field.name, type=kind, default=default, help=help_text)
+            parser.add_argument(flag, dest=field.name, type=kind, default=default, help=help_text, **value)
         elif _element_type(cls, field) is not None and field.name in flags:
             kind = _element_type(cls, field)
             parser.add_argument(
-                flag, dest=field.name, type=kind, action="append", default=None, help=help_text
+                flag, dest=field.name, type=kind, action="append", default=None, help=help_text, **value
             )
 
 
