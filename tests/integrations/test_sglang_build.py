@@ -80,6 +80,7 @@ def test_masked_tokens_make_a_short_tree(device):
         (lambda a: a.update(draft_top_log_probs=a["draft_top_log_probs"][0]), "draft_top_log_probs"),
         (lambda a: a.update(draft_top_token_ids=a["draft_top_token_ids"].float()), "draft_top_token_ids"),
         (lambda a: a.update(tree_budget=-1), "tree_budget"),
+        (lambda a: a.update(tree_budget=4097), r"tree_budget: expected an int in \[0, 4096\]"),
         (lambda a: a.update(_out_parents=a["_out_parents"][:, :3]), "_out_parents"),
         (lambda a: a.update(_out_visibility=a["_out_visibility"].long()), "_out_visibility"),
         (

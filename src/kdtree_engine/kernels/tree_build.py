@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.ref.tree import MAX_BUDGET  # the bound is this kernel's: 15/16-bit lanes, CAP in registers
 from kdtree_engine.tree_types import DraftTree
 
-MAX_BUDGET = 4096  # fields are packed in 15/16-bit lanes; CAP slots live in registers
 MAX_DEPTH = 1024  # lp[:, 0] of every depth is held in registers
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.ref.tree import MAX_BUDGET
+
 
 def need(cond: bool, name: str, what: str) -> None:
     """ValueError "name: what" unless cond holds."""
@@ -18,5 +20,6 @@ def check_covers(x: torch.Tensor, name: str, least: tuple[int, ...]) -> None:
 
 
 def check_budget(tree_budget) -> None:
-    ok = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and tree_budget >= 0
-    need(ok, "tree_budget", f"expected an int >= 0, got {tree_budget!r}")
+    """The port's tree_budget: an int in [0, MAX_BUDGET], the most nodes our tree ops build."""
+    ok = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and 0 <= tree_budget <= MAX_BUDGET
+    need(ok, "tree_budget", f"expected an int in [0, {MAX_BUDGET}], got {tree_budget!r}")
