@@ -324,9 +324,8 @@ def _checkpoint_config(args, checkpoints: Checkpoints) -> tuple[GenerationConfig
     return _config(args, defaults), note
 
 
-def _checkpoint_session(args, config: GenerationConfig, methods: list[str], intro: str) -> _Session:
-    """--model / --drafter (or the kimi-nano demo's folders): paths, configs, tokenizer, prompts and
-    memory are checked first; then the weights are loaded."""
+def _check_sources(args, methods: list[str]) -> None:
+    """The paths first (naming --model / --drafter), then that the methods have what they need."""
     if args.model is None:
         raise ValueError("--model: a target checkpoint is required unless --demo is given")
     checkpoint_dir(args.model, "--model")
@@ -339,6 +338,12 @@ def _checkpoint_session(args, config: GenerationConfig, methods: list[str], intr
         )
     if not args.prompts:
         raise ValueError("--prompt: give at least one prompt (--prompt TEXT or --prompt-ids IDS)")
+
+
+def _checkpoint_session(args, config: GenerationConfig, methods: list[str], intro: str) -> _Session:
+    """--model / --drafter (or the kimi-nano demo's folders): paths, configs, tokenizer, prompts and
+    memory are checked first; then the weights are loaded."""
+    _check_sources(args, methods)
     checkpoints = read_checkpoints(
         args.model, args.drafter, model_argument="--model", drafter_argument="--drafter"
     )
