@@ -253,16 +253,18 @@ def test_paths_are_checked_first_naming_the_flag(good, tmp_path, capsys):
 def test_sizes_are_checked_before_loading(capsys, monkeypatch):
     """A budget whose verify forward cannot fit (1 GiB free: its reference attention scores alone take
     1.6 GiB), or weights that cannot: one line naming the field, before the prompt is printed or the
-    weights are read; a budget past what a tree op builds is refused by the config."""
+    weights are read; so is a budget past what a tree op builds, and an absurd one by the config."""
     from kdtree_engine.engine import checks
 
     monkeypatch.setattr(checks, "available_memory", lambda device: 2**30)
     rc, out, err = _run(capsys, "generate", "--demo", "--budget", "4096", "--device", "cpu")
     assert (rc, out) == (2, "")
     assert "budget: a verify forward needs about" in _one_line(err) and "GiB are free on cpu" in err
-    for budget in ("100000", str(2**62)):
-        rc, out, err = _run(capsys, "generate", "--demo", "--budget", budget)
-        assert (rc, out) == (2, "") and "budget: expected None or an int in [0, 4096]" in _one_line(err)
+    rc, out, err = _run(capsys, "generate", "--demo", "--budget", "100000")
+    assert (rc, out) == (2, "") and "budget: expected an int in [0, 4096] (the most nodes a tree op" in err
+    assert "loading" not in _one_line(err)
+    rc, out, err = _run(capsys, "generate", "--demo", "--budget", str(2**62))
+    assert (rc, out) == (2, "") and "budget: expected None or an int in [0, 1048576]" in _one_line(err)
     monkeypatch.setattr(checks, "available_memory", lambda device: 2**20)
     rc, out, err = _run(capsys, "generate", "--demo", "--device", "cpu")
     assert (rc, out) == (2, "") and "dtype: loading the weights in float32 needs about" in _one_line(err)

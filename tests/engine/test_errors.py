@@ -25,8 +25,8 @@ def _drafter(**overrides):
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(budget=-1), r"budget: expected None or an int in \[0, 4096\] for method 'ddtree', got -1"),
-        (dict(budget=2**62), r"budget: expected None or an int in \[0, 4096\]"),
+        (dict(budget=-1), r"budget: expected None or an int in \[0, 1048576\] for method 'ddtree', got -1"),
+        (dict(budget=2**62), r"budget: expected None or an int in \[0, 1048576\]"),
         (dict(stop_strings="STOP"), "stop_strings: expected a tuple or list of strings"),
         (dict(stop_strings=("",)), "stop_strings: expected non-empty strings"),
         (dict(stop_strings=(3,)), "stop_strings: expected non-empty strings"),
@@ -173,11 +173,11 @@ def test_cuda_graphs_setting_is_checked():
 
 def test_limits_are_checked_before_any_allocation():
     """A huge max_new_tokens is clamped to the context before the cache is sized; a budget past what a
-    tree op builds is refused by the config (budgets below it whose verify forward cannot fit: see
-    test_stops_and_sizes.py)."""
+    tree op builds is refused before anything is allocated (budgets below it whose verify forward
+    cannot fit: see test_stops_and_sizes.py)."""
     target, drafter = tiny_target(0), tiny_drafter(0, block_size=4)
-    with pytest.raises(ValueError, match=r"^budget: expected None or an int in \[0, 4096\]"):
-        GenerationConfig(max_new_tokens=8, budget=10**6)
+    with pytest.raises(ValueError, match=r"^budget: expected an int in \[0, 4096\] \(the most nodes"):
+        generate(target, drafter, [[1, 2, 3]], GenerationConfig(max_new_tokens=8, budget=10**6))
     every_id = range(target.config.vocab_size)  # stop after the first token
     config = GenerationConfig(max_new_tokens=10**12, method="ddtree", budget=4, stop_tokens=every_id)
     out = generate(target, drafter, [[1, 2, 3]], config)

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from kdtree_engine.engine.checks import is_int
 from kdtree_engine.engine.sampling import SamplingParams
 from kdtree_engine.impl import check_impl
-from kdtree_engine.ref import tree as ref_tree
 
 METHODS = ("autoregressive", "dflash", "ddtree")
-# The most nodes a tree op builds, with every impl (the Triton build packs node indices into 16-bit
-# fields); generate() checks the memory of the budgets below it before allocating.
-MAX_BUDGET = ref_tree.MAX_BUDGET
+# A budget past this is no request any implementation could serve: one request's ancestor mask alone
+# would take N^2 = 2^40 bytes (1 TiB). generate() checks the rest before it allocates: what the tree
+# ops build (tree.validate.check_budget, 4096 nodes today) and the memory.
+MAX_BUDGET = 2**20
 
 
 @dataclass(frozen=True, kw_only=True)

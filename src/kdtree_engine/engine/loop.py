@@ -36,6 +36,7 @@ from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
 from kdtree_engine.ref.sampling import stream_key_table
 from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
+from kdtree_engine.tree.validate import check_budget
 
 __all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "chain_tree", "generate"]
 
@@ -449,7 +450,7 @@ def generate(
     stops = checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
     matchers = _stop_matchers(config, tokenizer, len(prompts))
     block_size = drafter.block_size if method != "autoregressive" else 1
-    budget = config.tree_budget(block_size)
+    budget = check_budget(config.tree_budget(block_size))  # what a tree op builds
     lengths = [len(p) for p in prompts]
     limits = request_limits(lengths, max_new_tokens, limit)
     max_len = cache_rows(lengths, limits, method, budget, block_size)

@@ -20,6 +20,7 @@ import torch
 
 from kdtree_engine.engine.checks import check_memory
 from kdtree_engine.impl import resolve_impl
+from kdtree_engine.tree.validate import check_budget
 
 Needs = dict[str, tuple[str, int]]  # field -> (what needs the memory: a singular subject, bytes)
 SCORE_COPIES = 3  # the reference attention holds the scores, their masked copy and the softmax at once
@@ -116,9 +117,10 @@ def clamp_note(max_new_tokens: int, prompt_lengths: Sequence[int], context: int 
 def check_memory_before_loading(
     checkpoints, config, prompt_lengths: Sequence[int], methods: Sequence[str], dtype: torch.dtype, device
 ) -> None:
-    """For each method to run: its caches and largest buffers plus the weights (engine.checkpoint's
-    Checkpoints: the configs, no weight read yet) against the free memory of device; a ValueError
-    naming the field to lower (checks.check_memory; "dtype" when the weights are the largest)."""
+    """For each method to run: its tree budget against what a tree op builds, then its caches and
+    largest buffers plus the weights (engine.checkpoint's Checkpoints: the configs, no weight read yet)
+    against the free memory of device; a ValueError naming the field to lower (checks.check_memory;
+    "dtype" when the weights are the largest)."""
     cfg, where = checkpoints.target_config, torch.device(device)
     drafter_config = checkpoints.drafter_config if list(methods) != ["autoregressive"] else None
     weights = (
@@ -128,7 +130,7 @@ def check_memory_before_loading(
     limits = request_limits(prompt_lengths, config.max_new_tokens, cfg.max_position_embeddings)
     for method in methods:
         block = checkpoints.block_size if method != "autoregressive" else 1
-        budget = replace(config, method=method).tree_budget(block)
+        budget = check_budget(replace(config, method=method).tree_budget(block))  # what a tree op builds
         needs = generation_needs(
             cfg,
             dtype,
