@@ -86,7 +86,7 @@ class OracleDrafter:
             logits[order[r]] = 5.0 - self.margin * r
         return logits
 
-    def draft(self, target, context, context_lens, bonus, start, cache) -> torch.Tensor:
+    def draft(self, target, context, context_lens, bonus, start, cache, impl=None) -> torch.Tensor:
         self.calls += 1
         depth = self.block_size - 1
         rows = []

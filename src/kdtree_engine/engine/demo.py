@@ -117,7 +117,7 @@ class NoisyOracleDrafter:
     def new_cache(self, batch_size: int, max_len: int) -> RequestIndex:
         return RequestIndex(torch.arange(batch_size, device=self.noise.device))
 
-    def draft(self, target, context, context_lens, bonus, start, cache) -> torch.Tensor:
+    def draft(self, target, context, context_lens, bonus, start, cache, impl=None) -> torch.Tensor:
         """Draft logits [B, L, V] float32 for positions start + 1 .. start + L."""
         depth = self.block_size - 1
         span = self.top.shape[1]

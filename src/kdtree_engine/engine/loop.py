@@ -245,7 +245,8 @@ class _Stages:
     def draft(self) -> None:
         run, s = self.run, self.s
         self._put(
-            "draft_logits", run.drafter.draft(run.target, s.ctx, s.ctx_lens, s.bonus, s.start, s.dcache)
+            "draft_logits",
+            run.drafter.draft(run.target, s.ctx, s.ctx_lens, s.bonus, s.start, s.dcache, impl=run.impl),
         )
 
     def tree_build(self) -> None:

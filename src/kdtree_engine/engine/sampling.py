@@ -78,7 +78,9 @@ def accept_tokens(
     (greedy) or a sample drawn with accept_sampled's seeded noise, keyed by (seed, offset) or by the
     device-resident stream_keys of (seed, offset) (offset None then); then the tree walk."""
     if params.greedy:
-        return accept_greedy(tree, logits.argmax(dim=-1), impl=impl, validate=False)  # argmax ids are in range
+        return accept_greedy(
+            tree, logits.argmax(dim=-1), impl=impl, validate=False
+        )  # argmax ids are in range
     keyed = dict(stream_keys=stream_keys) if stream_keys is not None else dict(seed=seed, offset=offset)
     acc, _ = accept_sampled(
         tree,
@@ -87,6 +89,7 @@ def accept_tokens(
         top_p=params.top_p,
         top_k=params.top_k,
         impl=impl,
+        validate=False,  # the target's own logits, every round: no value check, no host sync
         **keyed,
     )
     return acc
