@@ -9,22 +9,8 @@ import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3 as q3
 
-from kdtree_engine.drafter import DFlashConfig, random_drafter
-
-CFG = DFlashConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    block_size=5,
-    target_layer_ids=(0, 2),
-    mask_token_id=63,
-    num_target_layers=3,
-    rope_theta=10_000.0,
-)
+from kdtree_engine.drafter import random_drafter
+from tests.drafter.tiny import CFG
 
 
 def _hf_config() -> Qwen3Config:

@@ -12,24 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kdtree_engine.drafter import DFlashConfig, DFlashDrafter, load_drafter, random_drafter, save_drafter
+from kdtree_engine.drafter import DFlashDrafter, load_drafter, random_drafter, save_drafter
 from kdtree_engine.drafter.packed import packed_weights
+from tests.drafter.tiny import CFG
 from tests.kernels.test_drafter_attention import assert_close
 
-CFG = DFlashConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    block_size=5,
-    target_layer_ids=(0, 2),
-    mask_token_id=63,
-    num_target_layers=3,
-    rope_theta=10_000.0,
-)
 F_IN = len(CFG.target_layer_ids) * CFG.hidden_size
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
 

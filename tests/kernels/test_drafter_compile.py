@@ -5,13 +5,8 @@ float32, with the constexprs the launch wrappers choose, and spills no register.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from tests.kernels.offline_compile import MAX_SHARED, run_compile_script
 
 COMPILE = r"""
 import json, os, re, subprocess, tempfile
@@ -71,24 +66,10 @@ for dt in DT:
 print(json.dumps(found))
 """
 
-MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
-
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    import triton
-
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
-        pytest.skip("this Triton wheel ships no ptxas / cuobjdump")
-    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[2] / "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_compile_script(COMPILE)
 
 
 def test_every_drafter_kernel_builds_for_sm90_without_spills(compiled):
