@@ -3,6 +3,11 @@
 Per token: c_kv = kv_a_layernorm(kv_a_proj_with_mqa(x)[:r]) and the roped k_pe go to the cache
 (r + d_r values); the query is absorbed, q_abs = [q_nope @ W_UK, roped q_pe], so attention works on
 the latent rows directly, and the latent output o is lifted by W_UV before o_proj.
+
+On the kernel path (float32 / bf16 / fp16, see MLAttention.forward) a layer's latent row is normed,
+roped and written into the cache in one launch (kernels/mla_latent.py), and the absorbed query is
+written in place into one buffer (the W_UK GEMM into its first r columns, the rope kernel into its last
+d_r): no cat, no index_put. "ref" keeps the torch ops below, the specification.
 """
 
 from __future__ import annotations
@@ -67,6 +72,24 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, impl: str | None = "ref"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm: x, delta [..., dim] (delta None: nothing to add) -> (x + delta,
+        norm(x + delta)). A kernel impl does both in one launch (kernels/rmsnorm.add_rmsnorm), with the
+        bits of the add then the RMSNorm kernel."""
+        if delta is None:
+            return x, self(x, impl)
+        if (
+            x.dtype == delta.dtype == self.weight.dtype != torch.float64
+            and resolve_impl(impl, x.device) == "triton"
+        ):
+            from kdtree_engine.kernels.rmsnorm import add_rmsnorm
+
+            return add_rmsnorm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x, impl)
+
 
 class MLAttention(nn.Module):
     """One layer's MLA. Parameters as in HF checkpoints: q_proj or q_a_proj/q_a_layernorm/q_b_proj,
@@ -120,6 +143,37 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [b, t, h, r]
         return torch.cat([q_lat, apply_rope(q_pe, cos, sin, c.rope_interleave, impl)], dim=-1)
 
+    def _kernels_apply(self, x: torch.Tensor, cos: torch.Tensor, impl: str | None) -> bool:
+        """Whether the fused kernel path runs: a kernel impl, float32 / bf16 / fp16 activations, weights
+        and cos / sin of one dtype, d_r / 2 a power of two."""
+        half = self.c.qk_rope_head_dim // 2
+        w = self.kv_a_layernorm.weight
+        return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dtype == w.dtype == cos.dtype
+                and half & (half - 1) == 0 and resolve_impl(impl, x.device) == "triton")  # fmt: skip
+
+    def _write_latent(self, x, cos, sin, kv_layer, attn: ForwardAttention) -> None:
+        """The kernel path's cache write: the kv_a GEMM, then norm + rope + row store in one launch."""
+        from kdtree_engine.kernels.mla_latent import latent_write
+
+        norm = self.kv_a_layernorm
+        kv_a = self.kv_a_proj_with_mqa(x)  # [b, t, r + d_r]
+        latent_write(kv_a, norm.weight, norm.eps, cos, sin, self.c.rope_interleave, kv_layer, attn.start)
+
+    def _absorbed_query_into(self, x, cos, sin, dtype: torch.dtype, impl) -> torch.Tensor:
+        """The kernel path's absorbed query [b, t, h, r + d_r] in `dtype`, written in place: W_UK's GEMM
+        into the first r columns, the rope kernel into the last d_r."""
+        from kdtree_engine.kernels.rope import apply_rope as rope_kernel
+
+        c, (b, t, _) = self.c, x.shape
+        h, r, d_nope = c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim
+        q = self._query(x, impl)  # [b, t, h, qk_head_dim]
+        out = torch.empty(b, t, h, r + c.qk_rope_head_dim, dtype=dtype, device=x.device)
+        w_uk, _ = self._w_uk_uv()
+        q_nope = q.reshape(b * t, h, -1)[..., :d_nope].transpose(0, 1)  # [h, b * t, d_nope]
+        torch.bmm(q_nope, w_uk, out=out.view(b * t, h, -1)[..., :r].transpose(0, 1))  # [h, b * t, r]
+        rope_kernel(q[..., d_nope:], cos, sin, c.rope_interleave, out=out[..., r:])
+        return out
+
     def forward(
         self,
         x: torch.Tensor,
@@ -131,8 +185,12 @@ class MLAttention(nn.Module):
         """x [b, t, hidden]; kv_layer [b, max_len, r + d_r] (written in place at start[b] + 0..t-1)
         -> [b, t, hidden]."""
         b, t, _ = x.shape
-        kv_layer[attn.rows, attn.slots] = self.latent_rows(x, cos, sin, attn.impl).to(kv_layer.dtype)
-        q = self.absorbed_query(x, cos, sin, attn.impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
+        if self._kernels_apply(x, cos, attn.impl) and kv_layer.dtype == x.dtype:
+            self._write_latent(x, cos, sin, kv_layer, attn)
+            q = self._absorbed_query_into(x, cos, sin, kv_layer.dtype, attn.impl)  # [b, t, h, r + d_r]
+        else:
+            kv_layer[attn.rows, attn.slots] = self.latent_rows(x, cos, sin, attn.impl).to(kv_layer.dtype)
+            q = self.absorbed_query(x, cos, sin, attn.impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
         out = attn(q, kv_layer)  # [b, t, h, r]
         _, w_uv = self._w_uk_uv()
         v = torch.einsum("bthr,hdr->bthd", out.to(x.dtype), w_uv)  # [b, t, h, d_v]

@@ -34,9 +34,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_layer, attn: ForwardAttention) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x, attn.impl), cos, sin, kv_layer, attn)
-        return x + self.mlp(self.post_attention_layernorm(x, attn.impl), attn.impl)
+    def forward(self, x, h, cos, sin, kv_layer, attn: ForwardAttention):
+        """x [b, t, hidden] the residual stream, h = input_layernorm(x) -> (x + attention, the MLP's
+        output not yet added): the model adds it with the next norm (one launch on the kernel path)."""
+        x, h = self.post_attention_layernorm.add_norm(
+            x, self.self_attn(h, cos, sin, kv_layer, attn), attn.impl
+        )
+        return x, self.mlp(h, attn.impl)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -114,13 +118,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
         attn = ForwardAttention(self.config, start, t, visibility, impl, check_values)
-        captured = {}
+        captured, delta = {}, None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.kv[i], attn)
-            captured[i] = x
+            x, h = layer.input_layernorm.add_norm(x, delta, impl)  # x: layer i - 1's output
+            captured[i - 1] = x
+            x, delta = layer(x, h, cos, sin, cache.kv[i], attn)
+        x, h = self.norm.add_norm(x, delta, impl)  # RMSNorm is per row: the same bits before or after
+        captured[len(self.layers) - 1] = x
         if logits_rows is not None:
-            x = x[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]
-        logits = self.lm_head(self.norm(x, impl))
+            h = h[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]
+        logits = self.lm_head(h)
         cache.seqlens.copy_(start + (lengths.to(dev) if lengths is not None else t))
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(logits.to(torch.promote_types(logits.dtype, torch.float32)), hidden)
