@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdtree_engine.assets import KIMI_NANO
-from kdtree_engine.bench import e2e, experts
+from kdtree_engine.bench import e2e, e2e_nano, e2e_small, experts
 from kdtree_engine.model.moe import MoE
 from tests.engine.helpers import random_prompts, tiny_drafter, tiny_target
 
@@ -147,9 +147,9 @@ def test_touch_rows_on_a_tiny_target():
 
 def test_prompt_batches_cycle_to_fill_each_batch():
     prompts = [[1], [2, 2], [3, 3, 3]]
-    assert e2e.prompt_batches(prompts, 1) == [[[1]], [[2, 2]], [[3, 3, 3]]]
-    assert e2e.prompt_batches(prompts, 2) == [[[1], [2, 2]], [[3, 3, 3], [1]]]
-    assert e2e.prompt_batches(prompts, 4) == [[[1], [2, 2], [3, 3, 3], [1]]]
+    assert e2e_nano.prompt_batches(prompts, 1) == [[[1]], [[2, 2]], [[3, 3, 3]]]
+    assert e2e_nano.prompt_batches(prompts, 2) == [[[1], [2, 2]], [[3, 3, 3], [1]]]
+    assert e2e_nano.prompt_batches(prompts, 4) == [[[1], [2, 2], [3, 3, 3], [1]]]
 
 
 def test_batch_defaults():
@@ -168,7 +168,7 @@ def test_nano_bench_rows_on_a_tiny_target(tmp_path):
     args = _args("--target", "nano", "--batch", "1", "2", "--budgets", "4", "16", "--new-tokens", "12",
                  "--temperatures", "0", "0.8", "--out", str(tmp_path))  # fmt: skip
     seen = []
-    rows = e2e.bench_nano(
+    rows = e2e_nano.bench(
         target, drafter, prompts, args, torch.device("cpu"), on_row=lambda rs, r: seen.append(r)
     )
     assert seen == rows
@@ -206,18 +206,18 @@ def test_nano_bench_rows_on_a_tiny_target(tmp_path):
 
 def test_every_run_of_the_bench_uses_the_seed_and_its_setting(monkeypatch):
     calls = []
-    timed = e2e._timed
+    timed = e2e.timed_run
 
     def recording(target, drafter, prompts, config):
         calls.append((len(prompts), drafter is None, config))
         return timed(target, drafter, prompts, config)
 
-    monkeypatch.setattr(e2e, "_timed", recording)
+    monkeypatch.setattr(e2e, "timed_run", recording)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(4, [7, 4, 9], target.config.vocab_size)
     args = _args("--target", "nano", "--batch", "2", "--budgets", "3", "--new-tokens", "6", "--seed", "7",
                  "--temperatures", "0", "0.7")  # fmt: skip
-    e2e.bench_nano(target, drafter, prompts, args, torch.device("cpu"))
+    e2e_nano.bench(target, drafter, prompts, args, torch.device("cpu"))
     assert len(calls) == 2 * 3 * 2  # temperatures x methods x batches of 2 (3 prompts: 2 calls)
     assert all(n == 2 and c.seed == 7 and c.max_new_tokens == 6 and c.stop_tokens == () for n, _, c in calls)
     assert [c.sampling.temperature for _, _, c in calls] == [0.0] * 6 + [0.7] * 6
@@ -229,7 +229,7 @@ def test_every_run_of_the_bench_uses_the_seed_and_its_setting(monkeypatch):
 
 def test_equal_to_ar_counts_the_requests_that_match(monkeypatch):
     """A greedy DDTree output that parts from autoregressive decoding in one request is counted out."""
-    timed = e2e._timed
+    timed = e2e.timed_run
 
     def diverging(target, drafter, prompts, config):
         out = timed(target, drafter, prompts, config)
@@ -237,17 +237,17 @@ def test_equal_to_ar_counts_the_requests_that_match(monkeypatch):
             out.tokens[1] = out.tokens[1][:-1] + [(out.tokens[1][-1] + 1) % target.config.vocab_size]
         return out
 
-    monkeypatch.setattr(e2e, "_timed", diverging)
+    monkeypatch.setattr(e2e, "timed_run", diverging)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(5, [6, 8, 5], target.config.vocab_size)
     args = _args(
         "--target", "nano", "--batch", "3", "--budgets", "3", "--new-tokens", "5", "--temperatures", "0"
     )
-    rows = e2e.bench_nano(target, drafter, prompts, args, torch.device("cpu"))
+    rows = e2e_nano.bench(target, drafter, prompts, args, torch.device("cpu"))
     assert [(r["method"], r["equal_to_ar"], r["requests"]) for r in rows] == [
         ("autoregressive", 3, 3), ("dflash", 3, 3), ("ddtree", 2, 3),
     ]  # fmt: skip
-    assert "| 3 | 0 | ddtree | 3 |" in e2e.nano_markdown(rows, "h") and "| 2/3 |" in e2e.nano_markdown(
+    assert "| 3 | 0 | ddtree | 3 |" in e2e_nano.markdown(rows, "h") and "| 2/3 |" in e2e_nano.markdown(
         rows, "h"
     )
 
@@ -258,7 +258,7 @@ def test_equal_to_ar_counts_the_requests_that_match(monkeypatch):
 def test_small_target_needs_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(
-        e2e, "random_target", lambda *a, **k: pytest.fail("built the small target on the CPU")
+        e2e_small, "random_target", lambda *a, **k: pytest.fail("built the small target on the CPU")
     )
     with pytest.raises(ValueError, match="CUDA GPU"):
         e2e.main(_args("--target", "small"))
@@ -272,7 +272,7 @@ def test_cli_reports_the_small_target_on_the_cpu(capsys, monkeypatch):
     from kdtree_engine.cli import main
 
     monkeypatch.setattr(
-        e2e, "random_target", lambda *a, **k: pytest.fail("built the small target on the CPU")
+        e2e_small, "random_target", lambda *a, **k: pytest.fail("built the small target on the CPU")
     )
 
     assert main(["bench", "e2e", "--target", "small", "--device", "cpu"]) == 2
