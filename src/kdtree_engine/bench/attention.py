@@ -2,9 +2,10 @@
 
 Kimi-K2 shapes per layer (d_c = 512, d_r = 64, bf16): h heads, t tree nodes per request, s cached
 tokens (prefix + tree) per request, b requests. Work per request: 2*t*h*(576+512)*s FLOPs and 576*2*s
-bytes of cache. Times are GPU times per call: medians of CUDA-event timings of CUDA-graph replays
-(triton.testing.do_bench, L2 flushed before each replay) of several calls on distinct inputs; host
-launch overhead is excluded (see graph_us). Each problem's attention plan is built once, outside the
+bytes of cache. Times are GPU times per call (bench/timing.time_graph: the median of CUDA-graph replays
+timed by triton.testing.do_bench, the L2 flushed before each replay) of several calls on distinct
+inputs, so that the calls after the first do not find their cache in the L2 either; host launch overhead
+is excluded. Each problem's attention plan is built once, outside the
 timing, as a model builds it once per forward for all its layers: the time is one layer's. "us" runs the
 plan built with validation (the lengths known on the host); "device-planned us" runs the plan a
 captured forward builds (no host read: the schedule from the device, the merge always launched). The
@@ -80,16 +81,14 @@ def naive_attention(q, kv, vis, scale: float) -> torch.Tensor:
 
 
 def measure_roofline(device: torch.device) -> dict:
-    """Copy bandwidth (bytes read + written per second) and dense bf16 matmul rate, measured now."""
-    from triton.testing import do_bench
+    """Copy bandwidth (bytes read + written per second) and dense bf16 matmul rate, measured now with
+    the harness of every benchmark (bench/timing.py)."""
+    from kdtree_engine.bench.timing import device_copy_bandwidth, time_graph
 
-    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     w = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: a @ w, rep=200, return_mode="median")
-    return {"copy_GBps": 2 * src.numel() * 2 / copy_ms / 1e6, "matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+    mm_us = time_graph(lambda: a @ w, rep_ms=200).median_us
+    return {"copy_GBps": device_copy_bandwidth(device) / 1e9, "matmul_TFLOPs": 2 * 8192**3 / mm_us / 1e6}
 
 
 def work(b: int, t: int, h: int, s: int) -> tuple[float, float]:
@@ -98,19 +97,11 @@ def work(b: int, t: int, h: int, s: int) -> tuple[float, float]:
 
 
 def graph_us(calls: list, rep: int) -> float:
-    """GPU time of one call: the calls (each on its own inputs, so that together they overflow the L2)
-    are captured in one CUDA graph, whose replays are timed (median, L2 flushed before each replay).
-    Host launch overhead is left out; it is the same for every call of a captured model step."""
-    from triton.testing import do_bench
+    """GPU time of one call (bench/timing.time_graph): the calls, each on its own inputs so that together
+    they overflow the L2, captured in one CUDA graph whose replays are timed."""
+    from kdtree_engine.bench.timing import time_graph
 
-    for call in calls:  # compile and warm up outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return 1e3 * do_bench(graph.replay, rep=rep, return_mode="median") / len(calls)
+    return time_graph(calls, rep_ms=rep, warmup=1).median_us
 
 
 def time_point(b, t, h, s, args, roof, device) -> dict:
@@ -122,8 +113,9 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     scale = 192**-0.5
 
     def ours(p, impl=None, validate=True):
-        plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=scale, d_v=D_C, visibility=p["vis"],
-                              block_table=p["block_table"], impl=impl, validate=validate)  # fmt: skip
+        plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=scale, d_v=D_C,
+                              visibility=p["vis"], block_table=p["block_table"], impl=impl,
+                              validate=validate)  # fmt: skip
         return plan, lambda: plan.run(p["q"], p["kv"])
 
     flops, nbytes = work(b, t, h, s)
