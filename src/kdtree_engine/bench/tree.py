@@ -19,9 +19,12 @@ size set that finishes in seconds):
   build_tree_from_logits + compile_tree) and "topk->verify" (the same top-k in: build + compile), ratios
   ours / port. "<peer> same trees": requests whose tree equals ours (token paths) on float32 logits
   without ties, from the same top-k and from logits; the port is not exact on ties.
-GPU times: a CUDA graph holding `--graph-calls` back-to-back calls, replayed after warm-up and timed
-with CUDA events; the median per call is reported. Host times: median of perf_counter over
-`--host-iters` runs, after one warm-up. Ratios come from the same run.
+Timed with the harness of every benchmark (bench/timing.py). GPU times (time_graph): a CUDA graph
+holding `--graph-calls` back-to-back calls on the same inputs, replays timed by triton.testing.do_bench
+for `--rep-ms` with the L2 flushed before each, the median per call (the calls after the first may find
+inputs under the 50 MB L2 there, as the engine's tree ops find the logits the drafter just wrote).
+Host times (time_host; the cpu columns, peers): the median wall clock over `--host-iters` runs after
+one untimed run, the device synchronized around each. Ratios come from the same run.
 """
 
 from __future__ import annotations
@@ -30,14 +33,13 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from kdtree_engine.bench.plot import markdown_table, plot_series
+from kdtree_engine.bench.timing import time_graph, time_host
 
 # Default sizes per device: the GPU's cover serving engines; the CPU's finish in seconds (the kernels
 # run in the Triton interpreter there: about 1000x slower than on a GPU).
@@ -69,50 +71,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out/bench_tree", help="directory for the table, plot and json")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--graph-calls", type=int, default=10, help="calls captured per CUDA graph")
-    parser.add_argument("--iters", type=int, default=50, help="timed graph replays")
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="ms of timed graph replays per figure")
+    parser.add_argument("--iters", type=int, default=None, help="ignored (old command lines): see --rep-ms")
     parser.add_argument(
         "--host-iters", type=int, default=None, help=_size_help("host_iters", "timed runs of host code")
     )
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _gpu_us(fn, calls: int, iters: int) -> float:
-    """Median microseconds per call of fn, from a CUDA graph of `calls` calls replayed `iters` times."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / calls)
-    return statistics.median(times)
+def _gpu_us(fn, calls: int, rep_ms: float) -> float:
+    """Median GPU microseconds per call of fn: a CUDA graph of `calls` calls (bench/timing.time_graph)."""
+    return time_graph(fn, calls=calls, rep_ms=rep_ms).median_us
 
 
 def _host_us(fn, iters: int, device: torch.device) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    """Median wall-clock microseconds of fn over `iters` runs (bench/timing.time_host)."""
+    return time_host(fn, reps=iters, sync=device).median_us
 
 
 def _load_peers(specs: list[str]) -> tuple[dict, dict]:
@@ -220,7 +194,7 @@ def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, gpu_pe
     target = kernels.compile_tree(tree, roots, starts).input_ids.roll(-1, dims=1).contiguous()
 
     def timed(fn):
-        return _gpu_us(fn, args.graph_calls, args.iters) if on_gpu else _host_us(fn, args.host_iters, dev)
+        return _gpu_us(fn, args.graph_calls, args.rep_ms) if on_gpu else _host_us(fn, args.host_iters, dev)
 
     dev_label = _label(dev)
     row = {"B": b, "budget": budget}
