@@ -10,8 +10,10 @@ target probabilities [B, budget + 1, V]. Stages:
 - follow: follow_verified_tree_gpu from the target's argmax tokens (greedy verify);
 - sample: sample_ddtree_target_probs_gpu from the target's probabilities (sampled verify);
 - greedy path: topk + build + compile + follow, each side on its own outputs (one call chain).
-Times: calls as the worker makes them (host launch costs included), `--iters` back-to-back calls
-between two CUDA events, median of `--reps`; ratios port / ours from the same run. Our build, compile,
+Times: calls as the worker makes them (host launch costs included), so the host timer of the one
+harness (bench/timing.time_host): the wall clock of `--iters` back-to-back calls, the GPU synchronized
+before and after, median of `--reps` (until 2026-12 two CUDA events around the calls: the same span
+less one synchronization, under 1 us per call at --iters 10); ratios port / ours from the same run. Our build, compile,
 follow and sample replay a CUDA graph once a call repeats on the same buffers (integrations/sglang/
 replay.py), as they do inside SGLang; "without replay" times our greedy path with every call eager
 (KDTREE_ENGINE_SGLANG_GRAPHS=0). "same trees":
@@ -27,7 +29,6 @@ import contextlib
 import datetime
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ import torch
 
 from kdtree_engine.bench.peers import load_sglang_port, port_tree_buffers
 from kdtree_engine.bench.plot import markdown_table, plot_series
+from kdtree_engine.bench.timing import time_host
 
 STAGES = ("topk", "build", "compile", "follow", "sample", "greedy path")
 
@@ -45,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--depth", type=int, default=15, help="draft block length L (Kimi DFlash: 15)")
     parser.add_argument("--vocab", type=int, default=163840, help="vocabulary size V (Kimi-K2: 163840)")
-    parser.add_argument("--iters", type=int, default=10, help="calls between two CUDA events")
+    parser.add_argument("--iters", type=int, default=10, help="back-to-back calls per timed run")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     parser.add_argument("--no-sample", action="store_true", help="skip the sampled verify stage")
     parser.add_argument("--out", default="out/bench_sglang", help="directory for the table, plot and json")
@@ -53,20 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def eager_us(fn, iters: int, reps: int) -> float:
-    """Median microseconds per call of fn over `reps` runs of `iters` back-to-back calls (after warm-up)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / iters)
-    return statistics.median(times)
+    """Median wall-clock microseconds per call of fn over `reps` runs of `iters` back-to-back calls, the
+    GPU synchronized around each run (bench/timing.time_host; one untimed run first)."""
+    return time_host(fn, calls=iters, reps=reps, sync="cuda").median_us
 
 
 class Side:
