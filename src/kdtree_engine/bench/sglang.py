@@ -13,13 +13,13 @@ target probabilities [B, budget + 1, V]. Stages:
 Times: calls as the worker makes them (host launch costs included), so the host timer of the one
 harness (bench/timing.time_host): the wall clock of `--iters` back-to-back calls, the GPU synchronized
 before and after, median of `--reps` (until 2026-12 two CUDA events around the calls: the same span
-less one synchronization, under 1 us per call at --iters 10); ratios port / ours from the same run. Our build, compile,
-follow and sample replay a CUDA graph once a call repeats on the same buffers (integrations/sglang/
-replay.py), as they do inside SGLang; "without replay" times our greedy path with every call eager
-(KDTREE_ENGINE_SGLANG_GRAPHS=0). "same trees":
-requests whose tree (tokens and parents) the port builds equal to ours from the same top-k (it is not
-exact on ties; ours equals the official builder, as the tests check). "saved/round" is what one
-decoding round of the greedy path saves at this batch, budget and vocabulary (per tensor-parallel rank).
+less one synchronization, under 1 us per call at --iters 10); ratios port / ours from the same run.
+Our build, compile, follow and sample replay a CUDA graph once a call repeats on the same buffers
+(integrations/sglang/replay.py), as they do inside SGLang; "without replay" times our greedy path with
+every call eager (KDTREE_ENGINE_SGLANG_GRAPHS=0). "same trees": requests whose tree (tokens and
+parents) the port builds equal to ours from the same top-k (it is not exact on ties; ours equals the
+official builder, as the tests check). "saved/round" is what one decoding round of the greedy path
+saves at this batch, budget and vocabulary (per tensor-parallel rank).
 """
 
 from __future__ import annotations
