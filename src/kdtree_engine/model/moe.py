@@ -13,7 +13,7 @@ from torch import nn
 
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.config import ModelConfig
-from kdtree_engine.ref.moe import moe_experts_ref
+from kdtree_engine.ref.moe import Shared, moe_experts_ref
 
 
 class MLP(nn.Module):
@@ -103,8 +103,23 @@ class MoE(nn.Module):
         self.gate = Router(c)
         self.shared_experts = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
 
+    def shared_weights(self) -> Shared | None:
+        """The shared expert as (gate_proj.weight [Is, H], up_proj.weight [Is, H], down_proj.weight
+        [H, Is]), None without one (n_shared_experts = 0)."""
+        mlp = self.shared_experts
+        if mlp.gate_proj.weight.shape[0] == 0:
+            return None
+        return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
     def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
-        """x [b, t, hidden] -> [b, t, hidden]."""
+        """x [b, t, hidden] -> [b, t, hidden]. "triton": the router kernel, then the routed and shared
+        experts in the four launches of kernels.moe (one rounding of their sum); "ref": the torch
+        reference, routed then shared, each rounded to the model dtype."""
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
         weights, ids = self.gate(flat, impl)
+        if resolve_impl(impl, x.device) == "triton":
+            from kdtree_engine.kernels.moe import moe_experts  # imported lazily: triton is optional
+
+            routed = self.experts.gate_up_proj, self.experts.down_proj
+            return moe_experts(flat, weights, ids, *routed, self.shared_weights()).view_as(x)
         return self.experts(flat, weights, ids, impl).view_as(x) + self.shared_experts(x)
