@@ -3,15 +3,16 @@ best-first build, kernels) on ordinary and adversarial-but-legal bf16 logits, L 
 
 Run on the device:  PYTHONPATH=src python3 scripts/bench_plateau.py
 Inputs: "random" randn * 3; "ties_heavy" round(randn) (about a thousand logits tie with the k-th);
-"all_equal" every logit 0; "all_but_three" every logit 0 but three at 1, 2, 3. Timing: a CUDA graph of
-the call replayed, median of triton.testing.do_bench (microseconds); checked equal to the reference.
+"all_equal" every logit 0; "all_but_three" every logit 0 but three at 1, 2, 3. Timing: time_graph of
+bench/timing.py (a CUDA graph of the call, replays timed by triton.testing.do_bench with the L2 flushed,
+median in microseconds: the method of every benchmark, docs/results.md); checked equal to the reference.
 """
 
 from __future__ import annotations
 
 import torch
-from triton.testing import do_bench
 
+from kdtree_engine.bench.timing import time_graph
 from kdtree_engine.tree import build_tree_from_logits
 
 L, V, BUDGET = 15, 163840, 32
@@ -40,10 +41,7 @@ def main() -> None:
             tree = build_tree_from_logits(logits, BUDGET, validate=False)
             ref = build_tree_from_logits(logits.cpu(), BUDGET, impl="ref")
             same = all(torch.equal(getattr(tree, f).cpu(), getattr(ref, f)) for f in ("tokens", "parents"))
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                build_tree_from_logits(logits, BUDGET, validate=False)
-            us = do_bench(graph.replay, rep=100, return_mode="median") * 1e3
+            us = time_graph(lambda x=logits: build_tree_from_logits(x, BUDGET, validate=False)).median_us
             base = base or us
             print(f"| {b} | {name} | {us:.1f} | {us / base:.2f}x | {same} |", flush=True)
 

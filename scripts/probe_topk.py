@@ -5,8 +5,10 @@ reference; and the read floor of the same logits.
 Run on the device:  PYTHONPATH=src python3 scripts/probe_topk.py --out $OUT/topk [--sweep]
 Shapes: B = 64, L = 15, V = 163840, k = 32, bf16 logits; inputs "random" (randn), "ties" (round(3 randn):
 many exact ties) and "ties_heavy" (round(randn): ~1000 logits tie with the k-th, the select's bisection
-path; fewer repeats). --sweep: other launch shapes of the same kernels, on "random".
-Timing: CUDA graph holding 10 calls, replayed after warm-up; median over >= 20 replays, per call.
+path; a shorter timing). --sweep: other launch shapes of the same kernels, on "random".
+Timing: time_graph of bench/timing.py (the method of every benchmark, docs/results.md): a CUDA graph
+holding 10 calls, replays timed by triton.testing.do_bench with the L2 flushed before each, median per
+call; where capture fails, time_host (wall clock of 10 eager calls, median of 20 runs; the row says so).
 Read floor: a Triton kernel that only reads the logits (16-byte loads), `torch.amax(logits, dim=-1)` and
 a `dst.copy_(logits)` (read + write). Exactness: ids and log-probs equal (torch.equal) to
 ref.tree.logits_to_topk run on the same device (the reference gives the same bits on every device:
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import traceback
 from functools import partial
@@ -28,12 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.bench.timing import time_graph, time_host
 from kdtree_engine.kernels import tree as kernels
 from kdtree_engine.kernels import tree_topk
 from kdtree_engine.ref import tree as ref
 
 B, L, V, K = 64, 15, 163840, 32
-REPS, PER_GRAPH = 20, 10
+REP_MS, PER_GRAPH, HOST_REPS = 100.0, 10, 20
 DEFAULT = ("default", {})
 SWEEP = [  # launch shapes of the same two kernels (same output)
     ("partials 2 warps", {"partial_warps": 2}),
@@ -43,34 +45,16 @@ SWEEP = [  # launch shapes of the same two kernels (same output)
 ]
 
 
-def time_us(fn, reps: int = REPS) -> float:
-    """Median microseconds per call: a CUDA graph of PER_GRAPH calls replayed `reps` times (CUDA events
-    around PER_GRAPH plain calls if capture fails)."""
-    fn()
-    torch.cuda.synchronize()
-    run = lambda: [fn() for _ in range(PER_GRAPH)]  # noqa: E731
+def time_us(fn, rep_ms: float = REP_MS, row: dict | None = None) -> float:
+    """Median microseconds per call: a CUDA graph of PER_GRAPH calls (time_graph), or the wall clock of
+    PER_GRAPH eager calls (time_host) if capture fails, noted in `row` ("timing": "host")."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            run()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        run = graph.replay
+        return time_graph(fn, calls=PER_GRAPH, rep_ms=rep_ms).median_us
     except Exception:  # noqa: BLE001 - fall back to plain launches
         torch.cuda.synchronize()
-    run()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / PER_GRAPH)
-    return statistics.median(times)
+        if row is not None:
+            row["timing"] = "host"
+        return time_host(fn, calls=PER_GRAPH, reps=HOST_REPS, sync="cuda").median_us
 
 
 def make_inputs(dev) -> dict:
@@ -83,7 +67,7 @@ def make_inputs(dev) -> dict:
     }
 
 
-def probe(name, knobs, x, want, kind: str, reps: int) -> dict:
+def probe(name, knobs, x, want, kind: str, rep_ms: float) -> dict:
     row = {"input": kind, "variant": name, "knobs": {key: str(v) for key, v in knobs.items()}}
     try:
         lp, ids, launches = tree_topk.topk_launches(x, K, **knobs)
@@ -93,9 +77,9 @@ def probe(name, knobs, x, want, kind: str, reps: int) -> dict:
         )
         torch.cuda.synchronize()
         row["ok"] = bool(torch.equal(ids, want[1]) and torch.equal(lp, want[0]))
-        row["partials_us"] = time_us(launches[0], reps)
-        row["select_us"] = time_us(launches[1], reps)  # on the partials just written
-        row["total_us"] = time_us(lambda: tree_topk.logits_topk(x, K, **knobs), reps)
+        row["partials_us"] = time_us(launches[0], rep_ms, row)
+        row["select_us"] = time_us(launches[1], rep_ms, row)  # on the partials just written
+        row["total_us"] = time_us(lambda: tree_topk.logits_topk(x, K, **knobs), rep_ms, row)
     except Exception as exc:  # noqa: BLE001 - report and go on
         row["ok"] = False
         row["error"] = f"{type(exc).__name__}: {exc}"
@@ -124,7 +108,8 @@ def floors(x) -> list[dict]:
     gb = x.numel() * x.element_size() / 1e9
     for name, fn in cases:
         try:
-            us = time_us(fn)
+            row = {}
+            us = time_us(fn, row=row)
             out.append(
                 {
                     "input": "random",
@@ -132,6 +117,7 @@ def floors(x) -> list[dict]:
                     "total_us": us,
                     "GB/s (read)": gb / (us * 1e-6),
                     "ok": True,
+                    **row,
                 }
             )
         except Exception as exc:  # noqa: BLE001
@@ -145,7 +131,7 @@ def build_row(x, want, budget: int = K) -> dict:
         tree = kernels.build_tree_from_logits(x, budget)
         expect = ref.build_tree(*want, budget)
         row["ok"] = all(torch.equal(getattr(tree, f), getattr(expect, f)) for f in ("tokens", "parents"))
-        row["total_us"] = time_us(partial(kernels.build_tree_from_logits, x, budget))
+        row["total_us"] = time_us(partial(kernels.build_tree_from_logits, x, budget), row=row)
     except Exception as exc:  # noqa: BLE001
         row["ok"], row["error"] = False, f"{type(exc).__name__}: {exc}"
     print(f"  {row}")
@@ -163,6 +149,7 @@ def table(rows: list[dict]) -> str:
         "GB/s (read)",
         "ok",
         "error",
+        "timing",
     ]
 
     def fmt(v) -> str:
@@ -184,13 +171,13 @@ def main() -> None:
     inputs = make_inputs(torch.device("cuda"))
     wants = {kind: ref.logits_to_topk(x, K) for kind, x in inputs.items()}
     rows = floors(inputs["random"])
-    plan = [(DEFAULT, kind, REPS) for kind in ("random", "ties")]
-    plan += [(s, "random", REPS) for s in (SWEEP if args.sweep else ())] + [(DEFAULT, "ties_heavy", 3)]
-    for (name, knobs), kind, reps in plan:
+    plan = [(DEFAULT, kind, REP_MS) for kind in ("random", "ties")]
+    plan += [(s, "random", REP_MS) for s in (SWEEP if args.sweep else ())] + [(DEFAULT, "ties_heavy", 10.0)]
+    for (name, knobs), kind, rep_ms in plan:
         if time.monotonic() - start > args.budget_s:
             rows.append({"input": kind, "variant": name, "ok": False, "error": "skipped: time budget"})
             continue
-        rows.append(probe(name, knobs, inputs[kind], wants[kind], kind, reps))
+        rows.append(probe(name, knobs, inputs[kind], wants[kind], kind, rep_ms))
     if time.monotonic() - start < args.budget_s + 20:
         rows.append(build_row(inputs["random"], wants["random"]))
     meta = {
@@ -202,7 +189,10 @@ def main() -> None:
         "k": K,
     }
     meta["seconds"] = round(time.monotonic() - start, 1)
-    meta["timing"] = f"CUDA graph of {PER_GRAPH} calls, median of {REPS} replays"
+    meta["timing"] = (
+        f"bench/timing.time_graph: CUDA graph of {PER_GRAPH} calls, do_bench median over {REP_MS:g} ms of "
+        "replays (10 ms for ties_heavy), L2 flushed before each"
+    )
     md = f"{json.dumps(meta)}\n\n{table(rows)}\n"
     print(md)
     (args.out / "probe_topk.md").write_text(md)

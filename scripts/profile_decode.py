@@ -1,15 +1,19 @@
 """Where a target forward's time goes: the scaled-down Kimi shape (bench e2e's target), one forward of
-N tokens per request at batch B, profiled eagerly (kernel table) and timed as a CUDA graph replay."""
+N tokens per request at batch B, profiled eagerly (kernel table, bench/timing.kernel_profile) and timed
+as a CUDA graph replay (bench/timing.time_graph: the method of every benchmark, docs/results.md).
+
+    python scripts/profile_decode.py [--batch 1] [--nodes 1] [--prefix 96]
+"""
 
 from __future__ import annotations
 
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-from triton.testing import do_bench
 
-from kdtree_engine.bench.e2e import kimi_small_config, random_target
+from kdtree_engine.bench.e2e_small import kimi_small_config, random_target
+from kdtree_engine.bench.forward_cost import forward_call
+from kdtree_engine.bench.timing import kernel_profile, time_graph
 
 
 def main() -> None:
@@ -20,28 +24,15 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     a = p.parse_args()
     model = random_target(kimi_small_config(), torch.device("cuda"))
-    cache = model.new_cache(a.batch, a.prefix + a.nodes + 1)
-    cache.kv.normal_()
-    ids = torch.randint(0, 163840, (a.batch, a.nodes), device="cuda")
-
-    def forward():
-        cache.seqlens.fill_(a.prefix)
-        return model(ids, cache, validate=False)
-
+    forward = forward_call(model, a.batch, a.nodes, a.prefix, impl=None)
     for _ in range(3):
         forward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        forward()
-        torch.cuda.synchronize()
+    prof = kernel_profile(forward)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     print(f"batch {a.batch} nodes {a.nodes}: {len(events)} kernels in one forward")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    ms = do_bench(graph.replay, rep=200, return_mode="median")
-    print(f"graph replay: {ms * 1e3:.0f} us per forward")
+    t = time_graph(forward, rep_ms=200)
+    print(f"graph replay: {t.median_us:.0f} us per forward (20-80%: {t.q20_us:.0f}-{t.q80_us:.0f})")
 
 
 if __name__ == "__main__":
