@@ -196,12 +196,14 @@ def test_nano_bench_rows_on_a_tiny_target(tmp_path):
         if r["method"] == "autoregressive":
             assert r["forwards_per_token"] == pytest.approx(1 / r["batch"])
     touches = experts.touch_rows(target, drafter, prompts, args.budgets, args.new_tokens)
-    e2e.report(rows, "header line", tmp_path, target="nano", experts=touches)
+    forwards = [{"batch": 1, "stage": "draft", "kernels": 30, "us": 50.0, "over_decode": 0.5}]
+    e2e.report(rows, "header line", tmp_path, target="nano", experts=touches, forwards=forwards)
     saved = json.loads((tmp_path / "e2e_nano.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(rows)) and len(saved["experts"]) == 4
+    assert saved["forwards"] == forwards
     md = (tmp_path / "e2e_nano.md").read_text()
     assert md.startswith("header line") and "| 1 | 0 | ddtree | 16 |" in md and "3/3" in md
-    assert "Distinct routed experts" in md
+    assert "Distinct routed experts" in md and "| 1 | draft | - | 30 | 50.0 |" in md
 
 
 def test_every_run_of_the_bench_uses_the_seed_and_its_setting(monkeypatch):
@@ -295,6 +297,7 @@ def test_nano_main_with_the_shipped_target(tmp_path, capsys):
     ]
     assert all(r["equal_to_ar"] == 1 for r in saved["rows"])
     assert [r["tokens"] for r in saved["experts"]] == [1, 16, 3]
+    assert "forwards" not in saved  # the per-forward costs are measured on CUDA only
     assert saved["experts"][0]["distinct_mean"] == 4  # kimi-nano: top-4 routing, one decode token
 
 
