@@ -86,6 +86,8 @@ def forward_cost(model, batch: int, tokens: int, prefix: int, impl, copy_bw: flo
     with ExpertTouches(model) as touches:
         forward()
     distinct = touches.forwards[-1].distinct
+    if any(n == 0 for n in distinct):  # a router that did not run as a module: no count, no roofline
+        raise RuntimeError(f"forward_cost: no routed expert recorded in some MoE layer ({distinct})")
     us = time_graph(forward).median_us
     nbytes = forward_bytes(model, batch, tokens, prefix, distinct)
     roof_us = nbytes["total"] / copy_bw * 1e6
