@@ -125,3 +125,53 @@ def test_cost_rows_on_a_tiny_target():
             assert c.num_experts_per_tok <= r["experts_per_layer"] <= c.n_routed_experts
             assert r["roofline_us"] == pytest.approx(r["bytes"]["total"] / bw * 1e6)
     assert rows[0]["over_decode"] == 1.0
+
+
+@pytest.fixture
+def host_timed(monkeypatch):
+    """forward_cost's GPU timer and kernel count replaced by the host timer and a stand-in count, so that
+    its plumbing runs on the CPU."""
+    from kdtree_engine.bench import timing
+
+    monkeypatch.setattr(forward_cost, "time_graph", lambda fn: timing.time_host(fn, reps=1))
+    monkeypatch.setattr(forward_cost, "count_kernels", lambda fn: 7)
+
+
+def test_cost_rows_plumbing_on_the_cpu(host_timed):
+    target, drafter = tiny_target(), tiny_drafter()
+    rows = forward_cost.cost_rows(target, drafter, 2, [5, 3], 12, "ref", 1e9)
+    assert [(r["stage"], r.get("tokens")) for r in rows] == [
+        ("decode", 1), ("verify", 3), ("verify", 5), ("draft", None),
+    ]  # fmt: skip
+    c = target.config
+    for r in rows[:3]:
+        assert c.num_experts_per_tok <= r["experts_per_layer"] <= c.n_routed_experts
+        assert r["roofline_us"] == pytest.approx(r["bytes"]["total"] / 1e9 * 1e6) and r["kernels"] == 7
+    assert rows[0]["experts_per_layer"] <= 2 * c.num_experts_per_tok  # a decode step: 2 rows of k experts
+    assert all(r["us"] > 0 and r["over_decode"] == r["us"] / rows[0]["us"] for r in rows)
+
+
+def test_small_batch_rows_on_a_tiny_target(host_timed):
+    """bench e2e --target small's per-batch path (generate runs, stand-in drafter, costs) on a tiny CPU
+    target: every row has its cost columns, c(N)/c(1) from the verify of N = budget + 1."""
+    import argparse
+
+    from kdtree_engine.bench import e2e
+
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    args = parser.parse_args(["--budgets", "4", "--prompt-len", "6", "--new-tokens", "8"])
+    args.copy_bw = 1e9
+    rows, costs = e2e_small.bench_batch(tiny_target(), 2, args, torch.device("cpu"))
+    assert [(r["method"], r["budget"]) for r in rows] == [
+        ("autoregressive", 0),
+        ("dflash", 15),
+        ("ddtree", 4),
+    ]
+    assert [c.get("tokens") for c in costs] == [1, 5, 16, None]
+    verify = {c["tokens"]: c["us"] for c in costs if c["stage"] != "draft"}
+    for r in rows:
+        assert r["batch"] == 2 and r.get("same_as_ar", True)  # greedy float32: the stand-in equals AR
+        assert r["c_N_over_c_1"] == (verify[r["budget"] + 1] / verify[1] if r["budget"] else 1.0)
+        assert r["roofline_ms"] == costs[0]["roofline_us"] * 1e-3
+    assert "Per forward" in e2e_small.markdown(rows, "h", costs)
