@@ -11,11 +11,11 @@ Why the flush, for every benchmark: (1) the rooflines count bytes read from HBM 
 bandwidth; an unflushed replay of a working set under the 50 MB L2 of an H100/H200 (kimi-nano's weights,
 a batch-1 block of draft logits) reads it from the L2 and could beat its own roofline; (2) a sample does
 not depend on what ran before it; (3) the flush keeps the GPU busy while the host enqueues the replay, so
-no launch latency lands between the start event and the first kernel; (4) it is do_bench's own default,
-and the anchors' (Liger times with do_bench, FlashMLA's bench_kineto flushes): our figures compare with
-theirs. It errs on the slow side for small inputs the engine finds in the L2 (logits the drafter just
-wrote). Memory-bound kernels that are timed several calls per graph give each call its own inputs
-(`fn` as a list, as bench attention does) so that the calls after the first do not hit the L2 either.
+no launch latency lands between the start event and the first kernel; (4) it is do_bench's own default
+(Liger times with do_bench) and bench_kineto's (DeepGEMM, FlashMLA) where it offers the choice: our
+figures compare with theirs. It errs on the slow side for small inputs the engine finds in the L2
+(logits the drafter just wrote). Memory-bound kernels timed several calls per graph give each call
+its own inputs (`fn` as a list, as bench attention does): the calls after the first miss the L2 too.
 
 Host time (`time_host`): for paths that run on the CPU (reference builders, peers' host code, kernels in
 the Triton interpreter) and for calls timed as an engine makes them, host launch costs included (bench
