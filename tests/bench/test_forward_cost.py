@@ -109,9 +109,8 @@ def test_cost_rows_on_a_tiny_target():
     from kdtree_engine.drafter import random_drafter, tiny_drafter_config
     from kdtree_engine.model import random_model, tiny_config
 
-    target = random_model(tiny_config(vocab_size=96, hidden_size=32, num_hidden_layers=3), seed=0)
-    target = target.to(device="cuda", dtype=torch.bfloat16)
-    config = tiny_drafter_config(target.config, block_size=8)
+    target = random_model(tiny_config(), seed=0, dtype=torch.bfloat16, device="cuda")  # as test_gpu.py
+    config = tiny_drafter_config(target.config, block_size=16)
     drafter = random_drafter(config, seed=1, dtype=torch.bfloat16, device="cuda")
     bw = device_copy_bandwidth(nbytes=1 << 28)
     rows = forward_cost.cost_rows(target, drafter, 2, [4, 9, 4], 20, None, bw)
@@ -175,3 +174,26 @@ def test_small_batch_rows_on_a_tiny_target(host_timed):
         assert r["c_N_over_c_1"] == (verify[r["budget"] + 1] / verify[1] if r["budget"] else 1.0)
         assert r["roofline_ms"] == costs[0]["roofline_us"] * 1e-3
     assert "Per forward" in e2e_small.markdown(rows, "h", costs)
+
+
+def test_nano_costs_per_batch_size(host_timed, monkeypatch):
+    """bench e2e --target nano's cost rows: per batch size the decode step, a verify of DFlash's block and
+    of budget + 1 per budget, and the draft, on a prefix of the mean prompt length + half the new tokens."""
+    import argparse
+
+    from kdtree_engine.bench import e2e, e2e_nano, timing
+
+    monkeypatch.setattr(timing, "device_copy_bandwidth", lambda device: 2e9)
+    parser = argparse.ArgumentParser()
+    e2e.add_arguments(parser)
+    args = parser.parse_args(
+        ["--target", "nano", "--batch", "1", "2", "--budgets", "3", "7", "--new-tokens", "6"]
+    )
+    target, drafter = tiny_target(), tiny_drafter()  # block size 8: DFlash verifies 8, budget 7 too
+    rows = e2e_nano.costs(target, drafter, [[1] * 5, [2] * 9], args, torch.device("cpu"))
+    stages = [("decode", 1), ("verify", 4), ("verify", 8), ("draft", None)]
+    assert [(r["batch"], r["stage"], r.get("tokens")) for r in rows] == [
+        (b, *s) for b in (1, 2) for s in stages
+    ]
+    assert args.copy_bw == 2e9 and all(r["copy_GBps"] == 2.0 for r in rows if r["stage"] != "draft")
+    assert rows[0]["bytes"]["cache"] == forward_cost.forward_bytes(target, 1, 1, 7 + 3, [1, 1])["cache"]
