@@ -21,7 +21,7 @@ the decode step at the same batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,7 +58,9 @@ def forward_bytes(model, batch: int, tokens: int, prefix: int, touched: Sequence
     return {k: float(v) for k, v in parts.items()} | {"total": float(sum(parts.values()))}
 
 
-def forward_call(model, batch: int, tokens: int, prefix: int, impl, capture: Sequence[int] = ()):
+def forward_call(
+    model, batch: int, tokens: int, prefix: int, impl: str | None, capture: Sequence[int] = ()
+) -> Callable[[], object]:
     """A callable running one target forward of `tokens` random tokens per request on a cache of
     `prefix` random rows per request (the cache length reset first, so that every call is the same)."""
     dev = model.device
@@ -78,7 +80,9 @@ def forward_call(model, batch: int, tokens: int, prefix: int, impl, capture: Seq
     return forward
 
 
-def forward_cost(model, batch: int, tokens: int, prefix: int, impl, copy_bw: float, capture=()) -> dict:
+def forward_cost(
+    model, batch: int, tokens: int, prefix: int, impl: str | None, copy_bw: float, capture: Sequence[int] = ()
+) -> dict:
     """One forward's kernels, touched experts, GPU time and roofline (module docstring): a row."""
     forward = forward_call(model, batch, tokens, prefix, impl, capture)
     forward()  # compile outside the profile
@@ -97,7 +101,9 @@ def forward_cost(model, batch: int, tokens: int, prefix: int, impl, copy_bw: flo
             "experts_per_layer": experts, "bytes": nbytes, "copy_GBps": copy_bw / 1e9}  # fmt: skip
 
 
-def draft_call(drafter, target, batch: int, context: int, impl):
+def draft_call(
+    drafter, target, batch: int, context: int, impl: str | None
+) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
     """(reset, draft): a drafter cache holding `context` rows per request and one round's inputs
     (block_size new context rows of which ROUND_ROWS are real, the bonus token after them); reset()
     puts the cache length back, draft() drafts that round (the engine's call)."""
@@ -126,7 +132,7 @@ def draft_call(drafter, target, batch: int, context: int, impl):
     return reset, draft
 
 
-def draft_cost(drafter, target, batch: int, context: int, impl) -> dict:
+def draft_cost(drafter, target, batch: int, context: int, impl: str | None) -> dict:
     """One draft's kernels (the reset of the cache length left out) and GPU time (the reset's one copy
     kernel included: a drafting round cannot be replayed without it)."""
     reset, draft = draft_call(drafter, target, batch, context, impl)
@@ -141,7 +147,9 @@ def draft_cost(drafter, target, batch: int, context: int, impl) -> dict:
     return {"batch": batch, "stage": "draft", "kernels": kernels, "us": time_graph(round_).median_us}
 
 
-def cost_rows(target, drafter, batch: int, tokens: Sequence[int], prefix: int, impl, copy_bw: float) -> list:
+def cost_rows(
+    target, drafter, batch: int, tokens: Sequence[int], prefix: int, impl: str | None, copy_bw: float
+) -> list[dict]:
     """At one batch size: the decode step, a verify per entry of `tokens` (N, distinct, > 1) and the
     draft (its "over_decode": draft time / decode step time)."""
     capture = getattr(drafter, "target_layer_ids", ())
