@@ -157,3 +157,63 @@ def test_model_moe_triton_equals_ref(n_shared, device):
     with torch.no_grad():
         want, got = layer(x, "ref"), layer(x, "triton")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+KIMI_SMALL = dict(n_experts=32, k=6, hidden=2048, inter=768, inter_s=768)  # bench e2e's scaled-down Kimi
+
+
+def realistic(n: int, seed: int):
+    s = KIMI_SMALL
+    args = (n, s["k"], s["n_experts"], s["hidden"], s["inter"], s["inter_s"], torch.bfloat16, seed)
+    return to(make_inputs(*args), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
+@pytest.mark.parametrize("n", [1, 33, 64 * 33])
+def test_realistic_shape_bf16(n):
+    inputs = realistic(n, n)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = kernels.moe_experts(*inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = moe_experts_ref(*to(inputs, dtype=torch.float32))
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * scale)
+    assert torch.equal(got, kernels.moe_experts(*inputs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 33])
+def test_cuda_graph_replay(n):
+    """Captured once on static inputs; replays after copying other x / weights / ids into them equal
+    eager calls on the same inputs."""
+    static = realistic(n, 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        kernels.moe_experts(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe_experts(*static)
+    for seed in (1, 2):
+        for dst, src in zip(static[:3], realistic(n, seed)[:3]):  # x, weights, ids; the expert weights stay
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, kernels.moe_experts(*static))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [33, 200])
+def test_realistic_token_rows_do_not_depend_on_the_batch(n):
+    """Every token's row of a launch of n tokens equals the token alone, bit for bit (BLOCK_M 16 and
+    32: mma.sync tiles, the same BLOCK_N / BLOCK_K as one token)."""
+    x, weights, ids, w_gate_up, w_down, shared = realistic(n, 4)
+    batch = kernels.moe_experts(x, weights, ids, w_gate_up, w_down, shared)
+    for i in range(n):
+        row = slice(i, i + 1)
+        one = kernels.moe_experts(x[row], weights[row], ids[row], w_gate_up, w_down, shared)
+        assert torch.equal(one[0], batch[i]), f"token {i} of {n}"

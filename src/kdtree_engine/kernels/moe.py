@@ -30,12 +30,13 @@ n k + token). `_combine_kernel`, grid (n, cdiv(H, BLOCK)): out[token] = sum over
 y[token k + slot], then + y[n k + token], in float32 in that order, cast once to x's dtype. No atomics:
 the same inputs give the same bits on every run.
 
-Each row's arithmetic does not depend on the other rows of its launch: a tile's products are
-per-row dot products over H (or I) in BLOCK_K steps, in order, and the blocks are a function of the
-shapes; the combine sums a token's rows in a fixed order. Within one launch configuration (for 16-bit
-weights: up to 128 assignments, and beyond while the mean rows per expert stay <= 32, the same BLOCK_N /
-BLOCK_K) a token's output is the same bits whatever the other tokens; 64-row tiles (more than 32 rows
-per expert) halve BLOCK_K and may use other MMA instructions.
+A token's row does not depend on the other rows of its launch wherever the launch configuration is
+the same: a tile's products are per-row dot products over H (or I) in BLOCK_K steps, in order, whatever
+the tile's other rows, and the combine sums a token's rows in a fixed order. For 16-bit weights every
+launch up to a mean of 32 rows per expert has the same BLOCK_N / BLOCK_K and, on sm_90, the same MMA
+instruction (BLOCK_M 16 and 32: mma.sync, HMMA.16816 in the SASS), so one token and a verify of 33
+give a token the same bits; 64-row tiles (more rows per expert) halve BLOCK_K and use wgmma (HGMMA).
+(The router's matmul, a cuBLAS GEMM in model.moe, is outside this.)
 
 Each program reads its BLOCK_N slice of the expert's weights once; the programs of one weight slice
 follow one another in launch order (the tile index varies fastest), so the row tiles of one expert
