@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdtree_engine.kernels.rmsnorm import rmsnorm
+from kdtree_engine.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kdtree_engine.kernels.rope import apply_rope as rope_kernel
 from kdtree_engine.model.mla import RMSNorm
 from kdtree_engine.model.rope import apply_rope
@@ -58,3 +58,35 @@ def test_rope_kernel_is_bit_identical(device, dtype, interleave, shape):
     assert torch.equal(apply_rope(x, cos, sin, interleave, impl="triton"), want)
     view = torch.cat([torch.randn(*shape[:-1], 3).to(device=device, dtype=dtype), x], dim=-1)[..., 3:]
     assert torch.equal(rope_kernel(view, cos, sin, interleave), want)  # a non-contiguous input
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 33, 40), (3, 5, 512)])
+def test_add_rmsnorm_kernel_equals_add_then_the_rmsnorm_kernel(device, dtype, shape):
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    x, delta = ((torch.randn(shape, generator=gen) * 3).to(device=device, dtype=dtype) for _ in range(2))
+    norm = RMSNorm(shape[-1], eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(shape[-1], generator=gen))
+    total, normed = add_rmsnorm(x, delta, norm.weight, norm.eps)
+    assert torch.equal(total, x + delta)  # the add rounds as torch's
+    assert torch.equal(normed, rmsnorm(x + delta, norm.weight, norm.eps))
+    want_total, want = norm.add_norm(x, delta, impl="ref")
+    assert torch.equal(total, want_total)
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(normed.float(), want.float(), rtol=ulp, atol=ulp)
+    got = norm.add_norm(x[:, :1].expand(shape), delta, impl="triton")  # a stride-0 input
+    assert torch.equal(got[1], rmsnorm(x[:, :1] + delta, norm.weight, norm.eps))
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_kernel_writes_a_strided_destination(device, interleave):
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 4, 24, generator=gen).to(device)  # [b, t, h, d_nope 8 + d_r 16]
+    angles = torch.rand(2, 3, 8, generator=gen) * 100
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    buf = torch.full((2, 3, 4, 40), float("nan"), device=device)
+    rope_kernel(q[..., 8:], cos, sin, interleave, out=buf[..., 24:])
+    assert torch.equal(buf[..., 24:], apply_rope(q[..., 8:], cos, sin, interleave))
+    assert buf[..., :24].isnan().all()

@@ -7,16 +7,22 @@ the latent rows directly, and the latent output o is lifted by W_UV before o_pro
 On the kernel path (float32 / bf16 / fp16, see MLAttention.forward) a layer's latent row is normed,
 roped and written into the cache in one launch (kernels/mla_latent.py), and the absorbed query is
 written in place into one buffer (the W_UK GEMM into its first r columns, the rope kernel into its last
-d_r): no cat, no index_put. "ref" keeps the torch ops below, the specification.
+d_r): no cat, no index_put. The two projections that read x (q_a_proj or q_proj, and
+kv_a_proj_with_mqa) run as one GEMM on a fused weight whose rows the two parameters are views of
+(packed at the first kernel-path call, as drafter/packed.py does for the drafter). "ref" keeps the
+torch ops below, the specification.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kdtree_engine.attention import AttentionPlan, plan_attention
-from kdtree_engine.impl import resolve_impl
+from kdtree_engine.impl import capturing, resolve_impl
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.model.rope import apply_rope
 
@@ -40,9 +46,17 @@ class ForwardAttention:
         self.c, self.start, self.t, self.visibility, self.impl = c, start, t, visibility, impl
         self.validate = validate  # False: no host reads (the Hopper schedule is computed on the device)
         self.plan: AttentionPlan | None = None
-        b = start.shape[0]
-        self.rows = torch.arange(b, device=start.device)[:, None]  # [b, 1]
-        self.slots = start[:, None] + torch.arange(t, device=start.device)  # [b, t] cache rows written
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """[b, 1] int64 request index, for the reference path's index_put (built on first use: the kernel
+        path writes the cache without it)."""
+        return torch.arange(self.start.shape[0], device=self.start.device)[:, None]
+
+    @functools.cached_property
+    def slots(self) -> torch.Tensor:
+        """[b, t] int64 cache rows written."""
+        return self.start[:, None] + torch.arange(self.t, device=self.start.device)
 
     def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         """q [b, t, h, r + d_r], kv_layer [b, max_len, r + d_r] -> latent output [b, t, h, r]."""
@@ -91,6 +105,23 @@ class RMSNorm(nn.Module):
         return x, self(x, impl)
 
 
+@torch.no_grad()
+def _pack_rows(params: list[nn.Parameter]) -> tuple[torch.Tensor, tuple[tuple[nn.Parameter, int], ...]]:
+    """One buffer [sum of the first dims, ...] holding the parameters' rows in order; each parameter
+    becomes a view of its rows (its name, shape and Parameter object unchanged, so loading and in-place
+    updates write through). Returns the buffer and where each parameter must point for the views to hold
+    (anything that replaces a parameter's storage, such as .to(dtype), breaks them: pack again)."""
+    buf = params[0].new_empty((sum(p.shape[0] for p in params), *params[0].shape[1:]))
+    row, ptrs = 0, []
+    for p in params:
+        view = buf[row : row + p.shape[0]]
+        view.copy_(p.detach())
+        p.data = view
+        ptrs.append((p, p.data_ptr()))
+        row += p.shape[0]
+    return buf, tuple(ptrs)
+
+
 class MLAttention(nn.Module):
     """One layer's MLA. Parameters as in HF checkpoints: q_proj or q_a_proj/q_a_layernorm/q_b_proj,
     kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj ([h * (d_nope + d_v), r]), o_proj."""
@@ -109,6 +140,27 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=bias)
+        self._fused_a: tuple | None = None  # (weight, bias or None, pointers): see _a_proj
+
+    def _a_proj(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel path's one GEMM for the projections that read x: (q_a [b, t, q_lora_rank], or q
+        [b, t, h * qk_head_dim] without q_lora, and kv_a [b, t, r + d_r]), views of one output. The fused
+        weight is packed at the first call and again whenever a parameter no longer points into it."""
+        first = self.q_proj if self.c.q_lora_rank is None else self.q_a_proj
+        kv = self.kv_a_proj_with_mqa
+        if (first.bias is None) != (kv.bias is None):  # q_proj has no bias: two GEMMs then
+            return first(x), kv(x)
+        if self._fused_a is None or not all(p.data_ptr() == ptr for p, ptr in self._fused_a[2]):
+            if capturing(x.device):  # a captured copy would re-read freed storage on replay
+                raise RuntimeError(
+                    "model: its kernel path packs the attention projections at its first call; run one "
+                    "eager forward (after any .to()) before capturing it in a CUDA graph"
+                )
+            w, ptrs = _pack_rows([first.weight, kv.weight])
+            b, bias_ptrs = (None, ()) if kv.bias is None else _pack_rows([first.bias, kv.bias])
+            self._fused_a = (w, b, ptrs + bias_ptrs)
+        w, b, _ = self._fused_a
+        return F.linear(x, w, b).split([first.weight.shape[0], kv.weight.shape[0]], dim=-1)
 
     def _query(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
         """x [b, t, hidden] -> q [b, t, h, qk_head_dim]."""
@@ -151,23 +203,25 @@ class MLAttention(nn.Module):
         return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dtype == w.dtype == cos.dtype
                 and half & (half - 1) == 0 and resolve_impl(impl, x.device) == "triton")  # fmt: skip
 
-    def _write_latent(self, x, cos, sin, kv_layer, attn: ForwardAttention) -> None:
-        """The kernel path's cache write: the kv_a GEMM, then norm + rope + row store in one launch."""
+    def _write_latent(self, kv_a: torch.Tensor, cos, sin, kv_layer, attn: ForwardAttention) -> None:
+        """The kernel path's cache write: norm + rope + row store of kv_a [b, t, r + d_r] in one launch."""
         from kdtree_engine.kernels.mla_latent import latent_write
 
         norm = self.kv_a_layernorm
-        kv_a = self.kv_a_proj_with_mqa(x)  # [b, t, r + d_r]
         latent_write(kv_a, norm.weight, norm.eps, cos, sin, self.c.rope_interleave, kv_layer, attn.start)
 
-    def _absorbed_query_into(self, x, cos, sin, dtype: torch.dtype, impl) -> torch.Tensor:
-        """The kernel path's absorbed query [b, t, h, r + d_r] in `dtype`, written in place: W_UK's GEMM
-        into the first r columns, the rope kernel into the last d_r."""
+    def _absorbed_query_into(self, q_a: torch.Tensor, cos, sin, dtype: torch.dtype, impl) -> torch.Tensor:
+        """The kernel path's absorbed query [b, t, h, r + d_r] in `dtype` from q_a (q_a_proj's output, or
+        q_proj's without q_lora), written in place: W_UK's GEMM into the first r columns, the rope kernel
+        into the last d_r."""
         from kdtree_engine.kernels.rope import apply_rope as rope_kernel
 
-        c, (b, t, _) = self.c, x.shape
+        c, (b, t, _) = self.c, q_a.shape
         h, r, d_nope = c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim
-        q = self._query(x, impl)  # [b, t, h, qk_head_dim]
-        out = torch.empty(b, t, h, r + c.qk_rope_head_dim, dtype=dtype, device=x.device)
+        if c.q_lora_rank is not None:
+            q_a = self.q_b_proj(self.q_a_layernorm(q_a, impl))
+        q = q_a.view(b, t, h, c.qk_head_dim)
+        out = torch.empty(b, t, h, r + c.qk_rope_head_dim, dtype=dtype, device=q.device)
         w_uk, _ = self._w_uk_uv()
         q_nope = q.reshape(b * t, h, -1)[..., :d_nope].transpose(0, 1)  # [h, b * t, d_nope]
         torch.bmm(q_nope, w_uk, out=out.view(b * t, h, -1)[..., :r].transpose(0, 1))  # [h, b * t, r]
@@ -186,8 +240,9 @@ class MLAttention(nn.Module):
         -> [b, t, hidden]."""
         b, t, _ = x.shape
         if self._kernels_apply(x, cos, attn.impl) and kv_layer.dtype == x.dtype:
-            self._write_latent(x, cos, sin, kv_layer, attn)
-            q = self._absorbed_query_into(x, cos, sin, kv_layer.dtype, attn.impl)  # [b, t, h, r + d_r]
+            q_a, kv_a = self._a_proj(x)
+            self._write_latent(kv_a, cos, sin, kv_layer, attn)
+            q = self._absorbed_query_into(q_a, cos, sin, kv_layer.dtype, attn.impl)  # [b, t, h, r + d_r]
         else:
             kv_layer[attn.rows, attn.slots] = self.latent_rows(x, cos, sin, attn.impl).to(kv_layer.dtype)
             q = self.absorbed_query(x, cos, sin, attn.impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
