@@ -52,7 +52,7 @@ if [ "$what" != tests ]; then
   peer=()
   [ -d .peers/ddtree ] && peer=(--peer official=.peers/ddtree)
   [ -d .peers/sglang ] && peer+=(--peer sglang=.peers/sglang --peer sglang-triton=.peers/sglang)
-  timeout "$T_TREE" python3 -m kdtree_engine bench tree --out "$R/tree" --host-iters 3 --iters 20 \
+  timeout "$T_TREE" python3 -m kdtree_engine bench tree --out "$R/tree" --host-iters 3 --rep-ms 50 \
     "${peer[@]}" 2>&1 | tee "$R/bench_tree.log" || status=1
   # the shapes that the goals name (the full default grid takes longer than one device call)
   timeout "$T_ATTN" python3 -m kdtree_engine bench attention --out "$R/attention" --heads 64 8 \

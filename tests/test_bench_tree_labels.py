@@ -25,7 +25,7 @@ def test_default_sizes_follow_the_device():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU labels")
 def test_cpu_figures_are_labelled_cpu(tmp_path, capsys):
     argv = ["bench", "tree", "--batch", "1", "--depth", "2", "--budgets", "3", "--vocab", "40"]
-    assert main([*argv, "--iters", "1", "--out", str(tmp_path)]) == 0
+    assert main([*argv, "--rep-ms", "5", "--out", str(tmp_path)]) == 0
     row = json.loads((tmp_path / "tree_bench.json").read_text())["rows"][0]
     assert {"cpu topk->tree", "cpu logits->tree", "cpu compile", "cpu accept"} <= set(row)
     table = (tmp_path / "tree_bench.md").read_text()

@@ -18,7 +18,7 @@ from kdtree_engine.ref.tree import topk_stable
 from kdtree_engine.tree import build_tree, build_tree_from_logits, compile_tree
 
 TINY = ["bench", "tree", "--batch", "2", "--depth", "2", "--budgets", "3", "--vocab", "40"]
-TINY += ["--host-iters", "1", "--iters", "3", "--graph-calls", "2"]
+TINY += ["--host-iters", "1", "--rep-ms", "5", "--graph-calls", "2"]
 PORT = Path(os.environ.get("KDTREE_SGLANG_DDTREE", Path(__file__).parents[2] / ".peers" / "sglang"))
 needs_port = pytest.mark.skipif(
     not (PORT / peers.SGLANG_TRITON_FILE).is_file(), reason=f"no SGLang DDTree port at {PORT}"

@@ -66,7 +66,7 @@ def test_bench_tree_runs_the_sglang_peer(tmp_path):
 
     root = checkout(tmp_path / "sglang")
     argv = ["bench", "tree", "--batch", "2", "--depth", "2", "--budgets", "3", "--vocab", "40"]
-    argv += ["--out", str(tmp_path / "out"), "--host-iters", "1", "--iters", "2", "--graph-calls", "1"]
+    argv += ["--out", str(tmp_path / "out"), "--host-iters", "1", "--rep-ms", "5", "--graph-calls", "1"]
     assert main([*argv, "--peer", f"sglang={root}"]) == 0
     row = json.loads((tmp_path / "out" / "tree_bench.json").read_text())["rows"][0]
     assert row["sglang same tree"] and row["sglang"] > 0

@@ -72,7 +72,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--graph-calls", type=int, default=10, help="calls captured per CUDA graph")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="ms of timed graph replays per figure")
-    parser.add_argument("--iters", type=int, default=None, help="ignored (old command lines): see --rep-ms")
     parser.add_argument(
         "--host-iters", type=int, default=None, help=_size_help("host_iters", "timed runs of host code")
     )
