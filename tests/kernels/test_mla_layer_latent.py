@@ -61,3 +61,19 @@ def test_latent_write_casts_to_the_cache_dtype(device):
     assert torch.equal(got[..., R:].isnan(), ref[..., R:].isnan())
     assert torch.equal(got[..., R:].nan_to_num(), ref[..., R:].nan_to_num())
     torch.testing.assert_close(got.nan_to_num(), ref.nan_to_num(), rtol=8e-3, atol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_reference_is_the_model_reference_path(dtype):
+    from kdtree_engine.model.mla import RMSNorm
+    from kdtree_engine.model.rope import apply_rope as rope_ref
+
+    kv_a, w, cos, sin, kv, st = _inputs(3, 5, [0, 2, 7], 12, dtype, "cpu", seed=11)
+    norm = RMSNorm(R).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    want, got = kv.clone(), kv.clone()
+    latent_write_ref(kv_a, w, 1e-6, cos, sin, True, got, st)
+    rows = torch.cat([norm(kv_a[..., :R]), rope_ref(kv_a[..., R:], cos, sin, True)], dim=-1)
+    want[torch.arange(3)[:, None], st[:, None] + torch.arange(5)] = rows
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
