@@ -56,6 +56,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 per device, not a buffer: .to(bf16)
+        self._causal: dict[tuple[int, torch.device], torch.Tensor] = {}  # small t: no mask launches
+
+    def causal_mask(self, t: int) -> torch.Tensor:
+        """[t, t] bool lower-triangular on the model's device; kept for t <= 64 (decode and verify sizes),
+        made outside graph capture so that a kept mask never lives in a graph's pool."""
+        key = (t, self.device)
+        mask = self._causal.get(key)
+        if mask is None:
+            mask = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+            if t <= 64 and not capturing(self.device):
+                self._causal[key] = mask
+        return mask
 
     def rope_inv_freq(self) -> torch.Tensor:
         """[qk_rope_head_dim // 2] float32 on the model's device (kept out of dtype casts)."""
@@ -113,7 +125,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if positions is None:
             positions = start[:, None] + torch.arange(t, device=dev)
         if visibility is None:
-            visibility = torch.ones(t, t, dtype=torch.bool, device=dev).tril().expand(b, t, t)
+            visibility = self.causal_mask(t).expand(b, t, t)
         visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
