@@ -1,8 +1,9 @@
 """The MoE kernels (kernels/moe.py) compiled on the CPU for an H200 (sm_90) with the ptxas and cuobjdump
 shipped in the Triton wheel: what CI checks without a GPU beyond the interpreter's numerics. The tile
 map (counting sort) at 16, 32 and 384 experts (Kimi-K2), the grouped GEMMs with the shared-expert
-branch at every launch configuration in bf16 and float32, and the combine, with the constexprs the
-launch wrappers choose: every kernel builds and spills no register."""
+branch at every launch configuration in bf16 and float32, the combine, and the router's partial-logit
+matmul and routing (kimi-nano, scaled-down Kimi, DeepSeek-V3, Kimi-K2), with the constexprs the launch
+wrappers choose: every kernel builds and spills no register."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kdtree_engine.kernels import moe
+from kdtree_engine.kernels import moe, moe_router as router
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
@@ -64,6 +65,19 @@ for dt, size in (("bf16", 2), ("fp32", 4)):
     for shared in (True, False):
         cst = dict(TOPK=6, SHARED=shared, BLOCK=moe.COMBINE_BLOCK)
         found[f"combine-{dt}-shared{int(shared)}"] = build(moe._combine_kernel, sig, cst)
+for dt in ("bf16", "fp32"):
+    sig = {"x_ptr": "*" + dt, "w_ptr": "*fp32", "part_ptr": "*fp32", **i32("N", "H", "E", "stride_x")}
+    for e in (16, 32, 384):
+        cst = dict(CHUNK=router.CHUNK_H, BLOCK_M=router.LOGIT_ROWS, BLOCK_E=router.logit_block_e(e),
+                   BLOCK_K=router.LOGIT_BLOCK_K)
+        found[f"router_logits-{dt}-e{e}"] = build(router._logits_kernel, sig, cst)
+sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
+       **i32("stride", "S", "part_stride"), "scaling": "fp32"}
+for e, groups, keep, k in ((384, 1, 1, 8), (256, 8, 4, 8), (32, 1, 1, 6), (16, 4, 2, 4)):
+    gp, sp = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
+    cst = dict(N_GROUP=groups, GROUP_SIZE=e // groups, TOPK_GROUP=keep, TOP_K=k, NORM=True, GP=gp, SP=sp,
+               KP=triton.next_power_of_2(k), INTERPRET=False)
+    found[f"route-e{e}"] = build(router._route_kernel, sig, cst, warps=router.num_warps(gp * sp))
 print(json.dumps(found))
 """
 
@@ -74,7 +88,7 @@ def compiled() -> dict:
 
 
 def test_every_moe_kernel_builds_for_sm90_without_spills(compiled):
-    assert len(compiled) == 3 + 2 * (4 * 2 + 2)
+    assert len(compiled) == 3 + 2 * (4 * 2 + 2) + 2 * 3 + 4
     for name, got in compiled.items():
         assert got["shared"] <= MAX_SHARED, (name, got)
         assert got["local"] == 0, f"{name}: register spills {got}"

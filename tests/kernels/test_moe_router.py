@@ -1,10 +1,13 @@
-"""The fused router kernel (kernels/moe_router.route) against model.moe.Router, on the CPU through the
-Triton interpreter at small shapes; the realistic shapes and the CUDA-graph replay are marked gpu.
+"""The router kernels (kernels/moe_router: route on given logits, route_hidden with the matmul as
+partial logits) against model.moe.Router, on the CPU through the Triton interpreter at small shapes;
+the realistic shapes and the CUDA-graph replay are marked gpu.
 
 Router picks its top-k with topk(sorted=False), so ids are compared as sets per row (both sides sorted
 by id, the weights carried along). Random normal logits have no near-ties: ids must match exactly;
 the weights within rtol 1e-6 / atol 1e-7 (the sigmoid's exp may differ by an ulp from torch's on the
-CPU, and the normalising sum is reduced in another order). Where torch leaves ties open the kernel
+CPU, and the normalising sum is reduced in another order; route_hidden's logits, summed over chunks of
+H, differ from F.linear's in the last bits). route_hidden's results for a token are the same bits
+alone and in a batch. Where torch leaves ties open the kernel
 takes the smaller index (groups and experts); those cases are checked against a brute-force rule.
 """
 
@@ -14,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdtree_engine.kernels.moe_router import route
+from kdtree_engine.kernels.moe_router import CHUNK_H, route, route_hidden, router_logits
 from kdtree_engine.model.moe import Router
 from kdtree_engine.model.testing import tiny_config
 
@@ -40,6 +43,12 @@ def make_router(name: str, seed: int) -> Router:
         router.weight.copy_(torch.randn(e, HIDDEN, generator=gen) * HIDDEN**-0.5)
         router.e_score_correction_bias.copy_(torch.randn(e, generator=gen) * 0.1)
     return router
+
+
+def settings(router: Router) -> dict:
+    c = router.c
+    return dict(n_group=c.n_group, topk_group=c.topk_group, top_k=c.num_experts_per_tok,
+                norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)  # fmt: skip
 
 
 def route_like(router: Router, logits: torch.Tensor):
@@ -77,6 +86,64 @@ def test_route_matches_router(name, n, device):
     router = make_router(name, seed=n).to(device)
     x = torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(100 + n)).to(device)
     check_against_router(router, x)
+
+
+def make_wide_router(name: str, hidden: int, seed: int) -> Router:
+    """make_router's router at another hidden size (weights N(0, 1/hidden))."""
+    router = make_router(name, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    e = router.weight.shape[0]
+    router.weight.data = torch.randn(e, hidden, generator=gen) * hidden**-0.5
+    return router
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1, 33])
+@pytest.mark.parametrize("name, hidden", [("kimi", 600), ("deepseek", 64), ("e32", 512), ("tiny", 40)])
+def test_route_hidden_matches_router(name, hidden, n, dtype, device):
+    """Hidden sizes of 1 to 3 partial chunks (600: the last one partial), x in float32 and bf16."""
+    router = make_wide_router(name, hidden, seed=n).to(device)
+    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(300 + n)).to(device, dtype)
+    want_w, want_ids = by_id(*router(x))
+    got = route_hidden(x, router.weight, router.e_score_correction_bias, **settings(router))
+    got_w, got_ids = by_id(*got)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("hidden", [40, 600])
+def test_router_logits_sum_to_the_matmul(hidden, device):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(21, hidden, generator=gen).bfloat16()
+    weight = torch.randn(48, hidden, generator=gen) * hidden**-0.5
+    parts = router_logits(x.to(device), weight.to(device)).cpu()
+    assert parts.shape == (-(-hidden // CHUNK_H), 21, 48) and parts.dtype == torch.float32
+    want = x.double() @ weight.double().T
+    torch.testing.assert_close(parts.double().sum(0), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("name", ["kimi", "e32"])
+def test_route_hidden_rows_do_not_depend_on_the_batch(name, device):
+    """Each token's weights and ids alone equal its row in a batch of 40 (three row blocks of 16), bit
+    for bit."""
+    router = make_wide_router(name, 600, seed=5).to(device)
+    x = torch.randn(40, 600, generator=torch.Generator().manual_seed(6)).bfloat16().to(device)
+    args = router.weight, router.e_score_correction_bias
+    w, ids = route_hidden(x, *args, **settings(router))
+    for i in (0, 15, 16, 39):
+        w_i, ids_i = route_hidden(x[i : i + 1], *args, **settings(router))
+        assert torch.equal(ids_i[0], ids[i]) and torch.equal(w_i[0], w[i]), i
+
+
+def test_route_hidden_rejects_bad_arguments():
+    router = make_router("tiny", seed=0)
+    x = torch.zeros(2, HIDDEN)
+    with pytest.raises(ValueError, match="weight"):
+        route_hidden(x, router.weight.double(), router.e_score_correction_bias, **settings(router))
+    with pytest.raises(ValueError, match="weight"):
+        route_hidden(x[:, :8], router.weight, router.e_score_correction_bias, **settings(router))
+    with pytest.raises(ValueError, match="top_k"):
+        route_hidden(x, router.weight, router.e_score_correction_bias, **{**settings(router), "top_k": 9})
 
 
 def tie_rule(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, k: int):
@@ -234,4 +301,51 @@ def test_cuda_graph_replay(n):
         graph.replay()
         torch.cuda.synchronize()
         want_w, want_ids = route_like(router, static)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
+@pytest.mark.parametrize("n", [1, 33, 2112])
+@pytest.mark.parametrize("name, hidden", [("kimi", 7168), ("e32", 2048)])
+def test_route_hidden_realistic_cuda(name, hidden, n):
+    """Kimi-K2's router (E 384, H 7168) and scaled-down Kimi's (E 32, H 2048) on bf16 rows: ids equal
+    to Router's, weights close, no host sync, and each row equal to the row alone."""
+    router = make_wide_router(name, hidden, seed=n).cuda()
+    x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(400 + n)).bfloat16().cuda()
+    args = router.weight, router.e_score_correction_bias
+    route_hidden(x, *args, **settings(router))  # compile outside the sync check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = route_hidden(x, *args, **settings(router))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    got_w, got_ids = by_id(*got)
+    want_w, want_ids = by_id(*router(x))
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+    for i in {0, n // 2, n - 1}:
+        w_i, ids_i = route_hidden(x[i : i + 1], *args, **settings(router))
+        assert torch.equal(ids_i[0], got[1][i]) and torch.equal(w_i[0], got[0][i]), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 33])
+def test_route_hidden_cuda_graph_replay(n):
+    router = make_wide_router("e32", 2048, seed=0).cuda()
+    args = router.weight, router.e_score_correction_bias
+    static = torch.randn(n, 2048, device="cuda").bfloat16()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        route_hidden(static, *args, **settings(router))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        weights, ids = route_hidden(static, *args, **settings(router))
+    for seed in (1, 2):
+        static.copy_(torch.randn(n, 2048, generator=torch.Generator().manual_seed(seed)).bfloat16())
+        graph.replay()
+        torch.cuda.synchronize()
+        want_w, want_ids = route_hidden(static, *args, **settings(router))
         assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)

@@ -1,6 +1,17 @@
-"""The DeepSeek-V3 / Kimi-K2 router after its matmul in one launch, the kernel twin of model.moe.Router.
+"""The DeepSeek-V3 / Kimi-K2 router in two launches, the kernel twin of model.moe.Router: `route_hidden`
+(the matmul as partial logits, then the routing) or `route` (the routing of given logits, one launch).
 
-Input: logits [n, E] float32 (the router matmul, kept outside) and the e_score_correction_bias [E].
+Matmul (`_logits_kernel`, grid (cdiv(n, 16), S, cdiv(E, BLOCK_E))): the hidden rows x [n, H] (any float
+dtype, widened to float32 as they are loaded: no separate cast launch) times the float32 router weight
+[E, H], split over H into S = cdiv(H, CHUNK_H) fixed chunks; each program writes the float32 partial
+logits of its chunk, tl.dot in IEEE float32 (sequential FMAs on the GPU); the routing sums the S
+partials in order s = 0 .. S-1. The chunks depend on H only and every product on its row only, so a
+token's logits, and so its ids and weights, are the same bits whatever the other rows of the launch
+(a cuBLAS GEMM picks its kernel, and so its reduction order, by the number of rows). They differ from
+torch's F.linear in the last bits.
+
+Input of the routing: logits [n, E] float32 (or S partials summed as above) and the
+e_score_correction_bias [E].
 Per token row, as Router.forward: scores = sigmoid(logits), choice = scores + bias; with groups, each
 of the n_group groups of E / n_group consecutive experts is scored by the sum of its two largest choice
 values, the topk_group best groups are kept and the experts of the others dropped; the top_k largest
@@ -34,6 +45,7 @@ NaN logits are outside the contract.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,6 +54,9 @@ from triton.language.extra import libdevice
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 
+CHUNK_H = 256  # hidden columns per partial logit: fixed by H alone
+LOGIT_ROWS = 16  # token rows per matmul program (tl.dot's minimum)
+LOGIT_BLOCK_K = 64  # hidden columns per matmul step
 NONE = tl.constexpr(-(2**63))  # below every packed key: padding, removed or dropped candidates
 LOW31 = tl.constexpr(2**31 - 1)
 
@@ -78,15 +93,46 @@ def _index(key):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride, scaling, N_GROUP: tl.constexpr,
-                  GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
-                  NORM: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr, KP: tl.constexpr,
-                  INTERPRET: tl.constexpr):  # fmt: skip
+def _logits(ptr, offs, mask, S, part_stride):
+    """The float32 logits at offs: the sum of the S partials (part_stride apart), in order s = 0 .. S-1."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    for s in range(1, S):
+        x += tl.load(ptr + s * part_stride + offs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _logits_kernel(x_ptr, w_ptr, part_ptr, N, H, E, stride_x, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Program (row block, chunk s, expert block): part[s, rows, experts] = x[rows, chunk s] . W[experts,
+    chunk s], float32 (x widened), tl.dot in IEEE float32 over the chunk in BLOCK_K steps."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    s = tl.program_id(1)
+    experts = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
+    row_ok, e_ok = rows < N, experts < E
+    acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+    for k0 in range(0, CHUNK, BLOCK_K):
+        ks = s * CHUNK + k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        xa = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + ks[None, :],
+                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+        w_mask = k_ok[:, None] & e_ok[None, :]
+        wb = tl.load(w_ptr + experts[None, :] * H + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_E]
+        acc = tl.dot(xa, wb, acc, input_precision="ieee")
+    out = part_ptr + (s * N + rows[:, None]).to(tl.int64) * E + experts[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride, S, part_stride, scaling,
+                  N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  TOP_K: tl.constexpr, NORM: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr,
+                  KP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     valid = (g[:, None] < N_GROUP) & (tl.arange(0, SP)[None, :] < GROUP_SIZE)
     expert = g[:, None] * GROUP_SIZE + tl.arange(0, SP)[None, :]  # [GP, SP]
-    x = tl.load(logits_ptr + row * stride + expert, mask=valid, other=0.0)
+    x = _logits(logits_ptr, row * stride + expert, valid, S, part_stride)
     choice = _sigmoid(x, INTERPRET) + tl.load(bias_ptr + expert, mask=valid, other=0.0)
     key = tl.where(valid, _pack(choice, expert), NONE)
 
@@ -109,7 +155,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride, scaling, N
         key = tl.where(key == best, NONE, key)
 
     used = slot < TOP_K
-    w = _sigmoid(tl.load(logits_ptr + row * stride + ids, mask=used, other=0.0), INTERPRET)
+    w = _sigmoid(_logits(logits_ptr, row * stride + ids, used, S, part_stride), INTERPRET)  # x's bits
     w = tl.where(used, w, 0.0)
     if NORM:
         w = tl.math.div_rn(w, tl.zeros_like(w) + (tl.sum(w, axis=0) + 1e-20))  # div_rn does not broadcast
@@ -122,6 +168,45 @@ def num_warps(block: int) -> int:
     """Warps per row program for a padded block of `block` experts: one warp up to 512 (every reduction
     by warp shuffles alone, no shared memory or barrier; 16 keys a thread fit in registers), two above."""
     return 1 if block <= 512 else 2
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The router's settings (model.moe.Router's config fields)."""
+
+    n_group: int
+    topk_group: int
+    top_k: int
+    norm_topk_prob: bool
+    scaling: float
+
+
+def _check(n_experts: int, bias: torch.Tensor, r: Routing) -> None:
+    if bias.dtype != torch.float32 or bias.shape != (n_experts,):
+        raise ValueError(f"route: bias [E] = [{n_experts}] float32, got {bias.dtype} {tuple(bias.shape)}")
+    size = n_experts // r.n_group if r.n_group > 0 else 0
+    if r.n_group <= 0 or n_experts % r.n_group or size < 2 or not 0 < r.topk_group <= r.n_group:
+        raise ValueError(f"route: bad groups n_group={r.n_group} topk_group={r.topk_group} for E={n_experts}")
+    if not 0 < r.top_k <= r.topk_group * (n_experts // r.n_group):
+        raise ValueError(f"route: top_k={r.top_k} exceeds the experts of {r.topk_group} groups")
+
+
+def _route(parts: torch.Tensor, stride: int, n_experts: int, bias: torch.Tensor, r: Routing):
+    """The routing launch on S partial logits `parts` [S, n, E] (rows `stride` apart, S = 1: the
+    logits) -> (weights [n, top_k] float32, ids [n, top_k] int64)."""
+    n_parts, n = parts.shape[0], parts.shape[1]
+    weights = torch.empty(n, r.top_k, dtype=torch.float32, device=parts.device)
+    ids = torch.empty(n, r.top_k, dtype=torch.int64, device=parts.device)
+    if n == 0:
+        return weights, ids
+    gp, sp = triton.next_power_of_2(r.n_group), triton.next_power_of_2(n_experts // r.n_group)
+    _route_kernel[(n,)](
+        parts, bias.contiguous(), weights, ids, stride, n_parts, parts.stride(0), float(r.scaling),
+        N_GROUP=r.n_group, GROUP_SIZE=n_experts // r.n_group, TOPK_GROUP=r.topk_group, TOP_K=r.top_k,
+        NORM=bool(r.norm_topk_prob), GP=gp, SP=sp, KP=triton.next_power_of_2(r.top_k),
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps(gp * sp),
+    )  # fmt: skip
+    return weights, ids
 
 
 def route(
@@ -138,24 +223,60 @@ def route(
     ids [n, top_k] int64), ids in descending choice value (equal values: smaller id first), weights in
     the same order. Checks shapes only (no host sync)."""
     n, e = logits.shape
-    if logits.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (e,):
-        raise ValueError(f"route: logits [n, E] and bias [E] float32, got {logits.dtype} {bias.shape}")
-    if n_group <= 0 or e % n_group or e // n_group < 2 or not 0 < topk_group <= n_group:
-        raise ValueError(f"route: bad groups n_group={n_group} topk_group={topk_group} for E={e}")
-    if not 0 < top_k <= topk_group * (e // n_group):
-        raise ValueError(f"route: top_k={top_k} exceeds the experts of {topk_group} groups")
+    if logits.dtype != torch.float32:
+        raise ValueError(f"route: logits [n, E] float32, got {logits.dtype}")
+    r = Routing(n_group, topk_group, top_k, norm_topk_prob, scaling)
+    _check(e, bias, r)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    bias = bias.contiguous()
-    weights = torch.empty(n, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(n, top_k, dtype=torch.int64, device=logits.device)
+    return _route(logits[None], logits.stride(0), e, bias, r)
+
+
+def logit_block_e(n_experts: int) -> int:
+    """Experts per matmul program: all of them up to 64 (16 at least, tl.dot's minimum), else 64."""
+    return min(64, max(16, triton.next_power_of_2(n_experts)))
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, H] (float32, bfloat16 or float16; last dim contiguous), weight [E, H] float32 -> the partial
+    logits [S, n, E] float32, S = cdiv(H, CHUNK_H): part[s] = x[:, chunk s] . weight[:, chunk s]^T, so
+    that their sum in order s = 0 .. S-1 is x.float() @ weight^T. One launch."""
+    n, hidden = x.shape
+    n_experts = weight.shape[0]
+    n_parts = triton.cdiv(hidden, CHUNK_H)
+    parts = torch.empty(n_parts, n, n_experts, dtype=torch.float32, device=x.device)
     if n == 0:
-        return weights, ids
-    gp, sp = triton.next_power_of_2(n_group), triton.next_power_of_2(e // n_group)
-    _route_kernel[(n,)](
-        logits, bias, weights, ids, logits.stride(0), float(scaling),
-        N_GROUP=n_group, GROUP_SIZE=e // n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
-        NORM=bool(norm_topk_prob), GP=gp, SP=sp, KP=triton.next_power_of_2(top_k),
-        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps(gp * sp),
-    )  # fmt: skip
-    return weights, ids
+        return parts
+    block_e = logit_block_e(n_experts)
+    grid = (triton.cdiv(n, LOGIT_ROWS), n_parts, triton.cdiv(n_experts, block_e))
+    _logits_kernel[grid](x, weight.contiguous(), parts, n, hidden, n_experts, x.stride(0), CHUNK=CHUNK_H,
+                         BLOCK_M=LOGIT_ROWS, BLOCK_E=block_e, BLOCK_K=LOGIT_BLOCK_K)  # fmt: skip
+    return parts
+
+
+def route_hidden(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, H] (float32, bfloat16 or float16), weight [E, H] float32, bias [E] float32 -> (weights
+    [n, top_k] float32, ids [n, top_k] int64) as route(F.linear(x.float(), weight), ...), with the
+    logits of router_logits: a token's result does not depend on the other rows. Two launches, no
+    host sync."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.dtype != torch.float32:
+        raise ValueError(f"route_hidden: x [n, H] and weight [E, H] float32, got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)} {weight.dtype}")  # fmt: skip
+    if not x.dtype.is_floating_point:
+        raise ValueError(f"route_hidden: x must be a float tensor, got {x.dtype}")
+    r = Routing(n_group, topk_group, top_k, norm_topk_prob, scaling)
+    _check(weight.shape[0], bias, r)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    parts = router_logits(x, weight)
+    return _route(parts, weight.shape[0], weight.shape[0], bias, r)

@@ -48,16 +48,18 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, impl: str | None = "ref") -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (weights [n, k] float32, expert ids [n, k] int64). Device ops only; a kernel
-        impl runs everything after the matmul in one launch (ties: the smaller id first, ids in
-        descending score order; the torch ops leave the order open)."""
+        impl runs two launches, the matmul in fixed chunks of hidden (x widened as it is read; a row's
+        logits do not depend on the other rows, and differ from F.linear's in the last bits) and
+        everything after it (ties: the smaller id first, ids in descending score order; the torch ops
+        leave the order open)."""
         c = self.c
-        logits = F.linear(x.float(), self.weight.float())  # [n, E]
         if resolve_impl(impl, x.device) == "triton":
-            from kdtree_engine.kernels.moe_router import route  # imported lazily: triton is optional
+            from kdtree_engine.kernels.moe_router import route_hidden  # imported lazily: triton is optional
 
-            return route(logits, self.e_score_correction_bias, n_group=c.n_group, topk_group=c.topk_group,
-                         top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
-                         scaling=c.routed_scaling_factor)  # fmt: skip
+            return route_hidden(x, self.weight, self.e_score_correction_bias, n_group=c.n_group,
+                                topk_group=c.topk_group, top_k=c.num_experts_per_tok,
+                                norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)  # fmt: skip
+        logits = F.linear(x.float(), self.weight.float())  # [n, E]
         scores = logits.sigmoid()  # [n, E]
         choice = scores + self.e_score_correction_bias
         grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)  # [n, G, E/G]
@@ -112,8 +114,8 @@ class MoE(nn.Module):
         return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
     def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
-        """x [b, t, hidden] -> [b, t, hidden]. "triton": the router kernel, then the routed and shared
-        experts in the four launches of kernels.moe (one rounding of their sum); "ref": the torch
+        """x [b, t, hidden] -> [b, t, hidden]. "triton": six launches, the router's two, then the routed
+        and shared experts in the four of kernels.moe (one rounding of their sum); "ref": the torch
         reference, routed then shared, each rounded to the model dtype."""
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
         weights, ids = self.gate(flat, impl)
