@@ -4,10 +4,13 @@ a CUDA graph of the call, replays timed by triton.testing.do_bench, median, L2 f
 kernels of one eager call (bench.timing.count_kernels).
 
 - layer: model.moe.MoE with impl="triton": router, then the four launches of kernels.moe;
-- split: the same router, kernels.moe.moe_experts on the routed experts only, the shared expert as
-  model.moe.MLP (three cuBLAS GEMMs, silu, mul) and the add: what the fused path saves;
+- split: the launches before this work except the sort and the combine: the router as a float32 cast,
+  a cuBLAS matmul and the routing launch, kernels.moe.moe_experts on the routed experts only, the
+  shared expert as model.moe.MLP (three cuBLAS GEMMs, silu, mul) and the add;
 - tile_map: the one-launch grouping (histogram, counting sort, tiles); argsort: the
-  torch.argsort(stable=True) of the flat ids it replaces.
+  torch.argsort(stable=True) of the flat ids it replaces;
+- router: kernels.moe_router.route_hidden (partial-logit matmul + routing); router_cublas: the float32
+  cast of x, the cuBLAS matmul and the routing launch it replaces.
 
 Writes its lines to $OUT/moe_timing.txt when OUT is set. Run with -s to see them."""
 
@@ -17,8 +20,10 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kdtree_engine.kernels import moe as kernels
+from kdtree_engine.kernels.moe_router import route, route_hidden
 from kdtree_engine.model.moe import MoE
 from kdtree_engine.model.testing import tiny_config
 
@@ -56,9 +61,15 @@ def test_moe_layer_timing(n):
     weights, ids = layer.gate(flat, "triton")
     routed = layer.experts.gate_up_proj, layer.experts.down_proj
     block_m = kernels.launch_config(ids.numel(), layer.c.n_routed_experts, 2).block_m
+    router, c = layer.gate, layer.c
+    settings = dict(n_group=c.n_group, topk_group=c.topk_group, top_k=c.num_experts_per_tok,
+                    norm_topk_prob=c.norm_topk_prob, scaling=c.routed_scaling_factor)  # fmt: skip
+
+    def router_cublas():
+        return route(F.linear(flat.float(), router.weight), router.e_score_correction_bias, **settings)
 
     def split():
-        w, i = layer.gate(flat, "triton")
+        w, i = router_cublas()
         return kernels.moe_experts(flat, w, i, *routed) + layer.shared_experts(flat)
 
     calls = {
@@ -66,6 +77,8 @@ def test_moe_layer_timing(n):
         "split": split,
         "tile_map": lambda: kernels.tile_map(ids, layer.c.n_routed_experts, block_m),
         "argsort": lambda: torch.argsort(ids.reshape(-1), stable=True),
+        "router": lambda: route_hidden(flat, router.weight, router.e_score_correction_bias, **settings),
+        "router_cublas": router_cublas,
     }
     found = {}
     for name, fn in calls.items():

@@ -36,7 +36,7 @@ the tile's other rows, and the combine sums a token's rows in a fixed order. For
 launch up to a mean of 32 rows per expert has the same BLOCK_N / BLOCK_K and, on sm_90, the same MMA
 instruction (BLOCK_M 16 and 32: mma.sync, HMMA.16816 in the SASS), so one token and a verify of 33
 give a token the same bits; 64-row tiles (more rows per expert) halve BLOCK_K and use wgmma (HGMMA).
-(The router's matmul, a cuBLAS GEMM in model.moe, is outside this.)
+(The router's kernels, kernels/moe_router.route_hidden, hold the same for the ids and weights.)
 
 Each program reads its BLOCK_N slice of the expert's weights once; the programs of one weight slice
 follow one another in launch order (the tile index varies fastest), so the row tiles of one expert
