@@ -18,7 +18,7 @@ values, the topk_group best groups are kept and the experts of the others droppe
 choice values among the kept experts give the ids; the weights are the scores at those ids, divided
 by their sum (+ 1e-20) when norm_topk_prob, times the routed scaling factor.
 
-Kernel, grid (n,): one program per row, everything in registers. The row is loaded as a 2-D block
+Routing kernel, grid (n,): one program per row, everything in registers. The row is loaded as a 2-D block
 [GP, SP] (group, expert within the group; both padded to powers of two and masked, so E = 384 runs
 as [1, 512]). Every candidate is packed into one int64 key, the float32 value made monotone in the
 upper 32 bits and 2^31 - 1 - index in the lower ones: keys are distinct, ordered by value and then by
@@ -29,16 +29,18 @@ the SMALLER index, and one max-reduction gives both the best value and its index
 - experts: top_k rounds of max over the whole block, each removing the winner (the rest of a dropped
   group is never a candidate), so the ids come out in descending choice value, equal values in
   ascending id;
-- weights: the logits at the chosen ids are loaded again (cached) and put through the same sigmoid,
-  so no per-round gather is needed; the normalising sum is a tree reduction (torch sums in another
-  order: the weights may differ from torch's in the last bit).
+- weights: the logits at the chosen ids are loaded again (cached; the partials summed in the same
+  order, so the same bits) and put through the same sigmoid, so no per-round gather is needed; the
+  normalising sum is a tree reduction (torch sums in another order: the weights may differ from
+  torch's in the last bit).
 
 The sigmoid is torch's formula, 1 / (1 + exp(-x)) in float32: on the GPU libdevice's expf (the CUDA
 math library's, which torch's kernel calls) and an IEEE-rounded division, so the scores and the ids
 match torch's. (Triton links libdevice's flush-to-zero variant and fuses the 1 + into exp's last
 multiply, by a power of two: neither changes a result.) Under the interpreter numpy's exp, which may
 differ from torch's CPU exp by an ulp.
-No host synchronisation and a grid that depends only on n, so a call can be captured in a CUDA graph.
+No host synchronisation and grids that depend only on the shapes, so a call can be captured in a CUDA
+graph.
 NaN logits are outside the contract.
 """
 
