@@ -75,4 +75,5 @@ def latent_write(
         kv_a, weight, cos.contiguous(), sin.contiguous(), kv_layer, start, t, kv_a.stride(0),
         kv_a.stride(1), kv_layer.stride(0), kv_layer.stride(1), d - 2 * half, eps,
         BLOCK_R=block, HALF=half, INTERLEAVE=interleave, num_warps=4 if block <= 2048 else 8,
+        enable_fp_fusion=False,  # the rope rounds each product before the sum, as torch: no FMA contraction
     )  # fmt: skip

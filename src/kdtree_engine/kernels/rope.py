@@ -66,5 +66,6 @@ def apply_rope(
         _rope_kernel[(b * t,)](
             src, cos.contiguous(), sin.contiguous(), out, heads, t, *_strides(src), *_strides(out),
             HALF=d // 2, HEADS=triton.next_power_of_2(heads), INTERLEAVE=interleave,
+            enable_fp_fusion=False,  # torch rounds each product before the sum: no FMA contraction
         )  # fmt: skip
     return out
