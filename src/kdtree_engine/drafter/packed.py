@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kdtree_engine.impl import capturing
+from kdtree_engine.packing import intact, pack_rows
 
 
 @dataclass
@@ -33,7 +34,7 @@ class PackedWeights:
     ptrs: tuple[tuple[nn.Parameter, int], ...]
 
     def intact(self) -> bool:
-        return all(p.data_ptr() == ptr for p, ptr in self.ptrs)
+        return intact(self.ptrs)
 
 
 def _groups(drafter) -> dict[str, list[list[nn.Parameter]]]:
@@ -51,28 +52,11 @@ def _groups(drafter) -> dict[str, list[list[nn.Parameter]]]:
     return groups
 
 
-@torch.no_grad()
-def _pack(groups: list[list[nn.Parameter]], ptrs: list) -> torch.Tensor:
-    """One buffer [layers, sum of the first dims, ...]; each parameter becomes a view of its rows."""
-    first = groups[0][0]
-    rows = sum(p.shape[0] for p in groups[0])
-    buf = first.new_empty((len(groups), rows, *first.shape[1:]))  # one copy at a time: no second buffer
-    for layer, g in enumerate(groups):
-        row = 0
-        for p in g:
-            view = buf[layer, row : row + p.shape[0]]
-            view.copy_(p.detach())
-            p.data = view
-            ptrs.append((p, p.data_ptr()))
-            row += p.shape[0]
-    return buf
-
-
 def pack(drafter) -> PackedWeights:
     """Packs the drafter's parameters (a copy of the q/k/v, gate/up and q/k-norm weights into fused
     buffers, then the parameters point into them) and returns the buffers."""
     ptrs: list = []
-    bufs = {name: _pack(g, ptrs) for name, g in _groups(drafter).items()}
+    bufs = {name: pack_rows(g, ptrs) for name, g in _groups(drafter).items()}
     return PackedWeights(
         qkv=bufs["qkv"],
         qkv_bias=bufs.get("qkv_bias"),

@@ -25,6 +25,7 @@ from kdtree_engine.attention import AttentionPlan, plan_attention
 from kdtree_engine.impl import capturing, resolve_impl
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.model.rope import apply_rope
+from kdtree_engine.packing import intact, pack_rows
 
 
 class ForwardAttention:
@@ -105,23 +106,6 @@ class RMSNorm(nn.Module):
         return x, self(x, impl)
 
 
-@torch.no_grad()
-def _pack_rows(params: list[nn.Parameter]) -> tuple[torch.Tensor, tuple[tuple[nn.Parameter, int], ...]]:
-    """One buffer [sum of the first dims, ...] holding the parameters' rows in order; each parameter
-    becomes a view of its rows (its name, shape and Parameter object unchanged, so loading and in-place
-    updates write through). Returns the buffer and where each parameter must point for the views to hold
-    (anything that replaces a parameter's storage, such as .to(dtype), breaks them: pack again)."""
-    buf = params[0].new_empty((sum(p.shape[0] for p in params), *params[0].shape[1:]))
-    row, ptrs = 0, []
-    for p in params:
-        view = buf[row : row + p.shape[0]]
-        view.copy_(p.detach())
-        p.data = view
-        ptrs.append((p, p.data_ptr()))
-        row += p.shape[0]
-    return buf, tuple(ptrs)
-
-
 class MLAttention(nn.Module):
     """One layer's MLA. Parameters as in HF checkpoints: q_proj or q_a_proj/q_a_layernorm/q_b_proj,
     kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj ([h * (d_nope + d_v), r]), o_proj."""
@@ -150,15 +134,16 @@ class MLAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa
         if (first.bias is None) != (kv.bias is None):  # q_proj has no bias: two GEMMs then
             return first(x), kv(x)
-        if self._fused_a is None or not all(p.data_ptr() == ptr for p, ptr in self._fused_a[2]):
+        if self._fused_a is None or not intact(self._fused_a[2]):
             if capturing(x.device):  # a captured copy would re-read freed storage on replay
                 raise RuntimeError(
                     "model: its kernel path packs the attention projections at its first call; run one "
                     "eager forward (after any .to()) before capturing it in a CUDA graph"
                 )
-            w, ptrs = _pack_rows([first.weight, kv.weight])
-            b, bias_ptrs = (None, ()) if kv.bias is None else _pack_rows([first.bias, kv.bias])
-            self._fused_a = (w, b, ptrs + bias_ptrs)
+            ptrs: list = []
+            w = pack_rows([[first.weight, kv.weight]], ptrs)[0]
+            b = None if kv.bias is None else pack_rows([[first.bias, kv.bias]], ptrs)[0]
+            self._fused_a = (w, b, tuple(ptrs))
         w, b, _ = self._fused_a
         return F.linear(x, w, b).split([first.weight.shape[0], kv.weight.shape[0]], dim=-1)
 
