@@ -28,7 +28,7 @@ import torch
 
 from kdtree_engine.engine import checks
 from kdtree_engine.engine.config import METHODS, GenerationConfig
-from kdtree_engine.engine.memory import cache_rows, generation_needs, request_limits
+from kdtree_engine.engine.memory import call_sizes
 from kdtree_engine.engine.sampling import accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
 from kdtree_engine.engine.text import StopStringMatcher
@@ -36,7 +36,6 @@ from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
 from kdtree_engine.ref.sampling import stream_key_table
 from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
-from kdtree_engine.tree.validate import check_budget
 
 __all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "chain_tree", "generate"]
 
@@ -443,7 +442,7 @@ def generate(
     """
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config: expected a GenerationConfig, got {type(config).__name__}")
-    method, max_new_tokens = config.method, config.max_new_tokens
+    method = config.method
     checks.check_drafter(target, drafter, method)  # the target first (checks.check_target)
     cfg = target.config
     limit = getattr(cfg, "max_position_embeddings", None)
@@ -451,22 +450,11 @@ def generate(
     stops = checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
     matchers = _stop_matchers(config, tokenizer, len(prompts))
     block_size = drafter.block_size if method != "autoregressive" else 1
-    budget = check_budget(config.tree_budget(block_size))  # what a tree op builds
-    lengths = [len(p) for p in prompts]
-    limits = request_limits(lengths, max_new_tokens, limit)
-    max_len = cache_rows(lengths, limits, method, budget, block_size)
     device = target.lm_head.weight.device
-    needs = generation_needs(
-        cfg,
-        target.dtype,
-        prompt_lengths=lengths,
-        max_len=max_len,
-        budget=budget,
-        block_size=block_size,
-        reference_attention=resolve_impl(config.impl, device) == "ref",
-        drafter_config=_drafter_config(drafter),
-    )
-    checks.check_memory(device, needs)
+    lengths = [len(p) for p in prompts]
+    sizes = call_sizes(cfg, target.dtype, config, lengths, block_size, device, _drafter_config(drafter))
+    checks.check_memory(device, sizes.needs)
+    limits, budget, max_len = sizes.limits, sizes.budget, sizes.max_len
     stats = GenerationStats(method=method, batch_size=len(prompts))
     timer = StageTimer(device, enabled=stage_timing)
     reqs = _Requests(limits=limits, stops=stops, on_tokens=on_tokens, matchers=matchers)

@@ -14,7 +14,7 @@ draft logits), `prompts` (the prefill's reference attention scores) and, for the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -86,6 +86,42 @@ def generation_needs(
     return needs
 
 
+@dataclass(frozen=True)
+class CallSizes:
+    """What a generate() call sizes from the configs alone: limits [B] new tokens per request at most,
+    budget the tree nodes per round (checked against what a tree op builds), max_len the cache rows per
+    request, needs its largest buffers by field (generation_needs)."""
+
+    limits: list[int]
+    budget: int
+    max_len: int
+    needs: Needs
+
+
+def call_sizes(
+    model_config, dtype: torch.dtype, config, prompt_lengths: Sequence[int], block_size: int, device,
+    drafter_config=None,
+) -> CallSizes:  # fmt: skip
+    """The sizes of one generate() call with `config` (its method included) on `device`: the one
+    computation behind generate()'s check and the command's check before loading. block_size: the
+    drafter's, 1 for "autoregressive"."""
+    budget = check_budget(config.tree_budget(block_size))  # what a tree op builds
+    context = getattr(model_config, "max_position_embeddings", None)
+    limits = request_limits(prompt_lengths, config.max_new_tokens, context)
+    max_len = cache_rows(prompt_lengths, limits, config.method, budget, block_size)
+    needs = generation_needs(
+        model_config,
+        dtype,
+        prompt_lengths=prompt_lengths,
+        max_len=max_len,
+        budget=budget,
+        block_size=block_size,
+        reference_attention=resolve_impl(config.impl, torch.device(device)) == "ref",
+        drafter_config=drafter_config,
+    )
+    return CallSizes(limits, budget, max_len, needs)
+
+
 def weights_bytes(model_config, dtype: torch.dtype, drafter_config=None) -> int:
     """Bytes of the target's (and the drafter's) parameters and buffers in dtype, counted on the meta
     device (nothing is allocated)."""
@@ -127,26 +163,19 @@ def check_memory_before_loading(
         f"loading the weights in {str(dtype).removeprefix('torch.')}",
         weights_bytes(cfg, dtype, drafter_config),
     )
-    limits = request_limits(prompt_lengths, config.max_new_tokens, cfg.max_position_embeddings)
     for method in methods:
         block = checkpoints.block_size if method != "autoregressive" else 1
-        budget = check_budget(replace(config, method=method).tree_budget(block))  # what a tree op builds
-        needs = generation_needs(
-            cfg,
-            dtype,
-            prompt_lengths=prompt_lengths,
-            max_len=cache_rows(prompt_lengths, limits, method, budget, block),
-            budget=budget,
-            block_size=block,
-            reference_attention=resolve_impl(config.impl, where) == "ref",
-            drafter_config=drafter_config if block > 1 else None,
+        sizes = call_sizes(
+            cfg, dtype, replace(config, method=method), prompt_lengths, block, where, drafter_config
         )
-        check_memory(where, {**needs, "dtype": weights})
+        check_memory(where, {**sizes.needs, "dtype": weights})
 
 
 __all__ = [
+    "CallSizes",
     "Needs",
     "cache_rows",
+    "call_sizes",
     "check_memory_before_loading",
     "clamp_note",
     "generation_needs",
