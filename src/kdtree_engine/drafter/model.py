@@ -20,9 +20,14 @@ from kdtree_engine.impl import check_impl, resolve_impl
 from kdtree_engine.model.mla import RMSNorm  # the same norm as Qwen3RMSNorm: float32 statistics
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """[d / 2] float32 rotary frequencies, as Qwen3."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """positions [B, T] int64 -> cos, sin [B, T, 1, d] (non-interleaved halves, as Qwen3)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [B, T, d/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -178,9 +183,7 @@ class DFlashDrafter(nn.Module):
     def rope_inv_freq(self, device: torch.device) -> torch.Tensor:
         """[d / 2] float32 on `device`, as rope_cos_sin computes them (cached: no launch per forward)."""
         if device not in self._inv_freq:
-            d = self.config.head_dim
-            exponent = torch.arange(0, d, 2, device=device).float() / d
-            self._inv_freq[device] = 1.0 / self.config.rope_theta**exponent
+            self._inv_freq[device] = rope_inv_freq(self.config.head_dim, self.config.rope_theta, device)
         return self._inv_freq[device]
 
     def uses_kernels(self, impl: str | None, device: torch.device) -> bool:
