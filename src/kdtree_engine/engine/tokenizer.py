@@ -80,11 +80,6 @@ class Tokenizer:
         self.tok, self.source = tok, source
 
     @property
-    def has_vocabulary(self) -> bool:
-        """False for the id-only tokenizer (no tokenizer files)."""
-        return self.tok is not None
-
-    @property
     def all_special_ids(self) -> list[int]:
         return list(getattr(self.tok, "all_special_ids", None) or ()) if self.tok is not None else []
 
