@@ -12,8 +12,8 @@ target probabilities [B, budget + 1, V]. Stages:
 - greedy path: topk + build + compile + follow, each side on its own outputs (one call chain).
 Times: calls as the worker makes them (host launch costs included), so the host timer of the one
 harness (bench/timing.time_host): the wall clock of `--iters` back-to-back calls, the GPU synchronized
-before and after, median of `--reps` (until 2026-12 two CUDA events around the same calls: the same
-span less the latency of one synchronization, spread over the calls); ratios port / ours, same run.
+before and after, median of `--reps` (docs/results.md says how older tables were timed); ratios port /
+ours, same run.
 Our build, compile, follow and sample replay a CUDA graph once a call repeats on the same buffers
 (integrations/sglang/replay.py), as they do inside SGLang; "without replay" times our greedy path with
 every call eager (KDTREE_ENGINE_SGLANG_GRAPHS=0). "same trees": requests whose tree (tokens and

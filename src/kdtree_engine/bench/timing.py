@@ -8,8 +8,8 @@ Reported per call: the median and the 20th / 80th percentiles, in microseconds. 
 left out, as in a captured model step; the GPU time between the kernels of one replay is in.
 
 Why the flush, for every benchmark: (1) the rooflines count bytes read from HBM at the measured copy
-bandwidth; an unflushed replay of a working set under the 50 MB L2 of an H100/H200 (kimi-nano's weights,
-a batch-1 block of draft logits) reads it from the L2 and could beat its own roofline; (2) a sample does
+bandwidth; an unflushed replay of a working set under the GPU's L2 (tens of MB; kimi-nano's weights, a
+batch-1 block of draft logits) reads it from the L2 and could beat its own roofline; (2) a sample does
 not depend on what ran before it; (3) the flush keeps the GPU busy while the host enqueues the replay, so
 no launch latency lands between the start event and the first kernel; (4) it is do_bench's own default
 (Liger times with do_bench) and bench_kineto's (DeepGEMM, FlashMLA) where it offers the choice: our
