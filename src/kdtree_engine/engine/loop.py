@@ -14,6 +14,13 @@ request is done (a finished row keeps running but commits nothing). So every sta
 CUDA graph after the first round and replayed (`_Graphs`); the host reads the round's committed tokens
 with one device-to-host copy per round. Eager rounds run the same code, so they give the same tokens.
 
+Since a round needs nothing from the host, on CUDA the host enqueues round k + 1 before it waits for
+round k (`_Rounds`, two pinned copy slots): the device runs rounds back to back while the host copies,
+commits and streams the previous one, and the host's launch and Python costs leave the critical path.
+A request the host finds done is still run by the round already in flight (the host drops what that
+round commits to it; the device learns of it in stream order); the round enqueued past the last
+request's end is discarded (`GenerationStats.discarded_rounds`).
+
 The host hands each request its committed tokens and finishes a request at its token limit, after a
 stop token, or at the token whose text completes a stop string (decoded as the tokens arrive, from
 that same per-round copy); a finished request's row stays in the batch and commits nothing.
@@ -206,7 +213,7 @@ class _Stages:
         device = state.start.device
         if not run.config.sampling.greedy and _use_graphs(run, device):
             # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
-            table = stream_key_table(run.noise_seed, max(run.reqs.limits) + 2)  # draws <= rounds + 1
+            table = stream_key_table(run.noise_seed, max(run.reqs.limits) + 3)  # draws <= rounds + 2
             self.keys = table.to(device)
             self.draw = torch.tensor([run.draws], device=device)
         accept_capturable = run.config.sampling.greedy or self.keys is not None
@@ -342,26 +349,43 @@ def _use_graphs(run: _Run, device: torch.device) -> bool:
 
 
 class _HostCopy:
-    """The round's committed counts and tokens, one device-to-host copy per round (into pinned memory on
-    CUDA, then one wait for it)."""
+    """The committed counts and tokens of the rounds in flight, one device-to-host copy per round into
+    its own pinned slot (two slots: the round being read and the one enqueued ahead of it), each
+    followed by an event the host waits on when it reads that round."""
+
+    SLOTS = 2
 
     def __init__(self, state: _State) -> None:
         cuda = state.committed.device.type == "cuda"
-        self.committed = torch.empty(state.committed.shape, dtype=torch.int64, pin_memory=cuda)
-        self.done = torch.cuda.Event() if cuda else None
+        shape, self.sent = state.committed.shape, 0
+        self.slots = [torch.empty(shape, dtype=torch.int64, pin_memory=cuda) for _ in range(self.SLOTS)]
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(self.SLOTS)]
+        self.in_flight: list[int] = []  # slots sent and not read yet, oldest first
 
-    def read(self, state: _State) -> tuple[list[list[int]], list[int]]:
-        self.committed.copy_(state.committed, non_blocking=True)
-        if self.done is not None:
-            self.done.record()
-            self.done.synchronize()
-        rows = self.committed.tolist()
+    def send(self, state: _State) -> None:
+        """Enqueues the copy of the round just enqueued (stream order: after its stages)."""
+        slot = self.sent % self.SLOTS
+        if slot in self.in_flight:
+            raise RuntimeError("_HostCopy: more rounds in flight than slots")
+        self.slots[slot].copy_(state.committed, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        self.in_flight.append(slot)
+        self.sent += 1
+
+    def read(self) -> tuple[list[list[int]], list[int]]:
+        """Waits for the oldest round in flight and returns its (tokens per request, counts)."""
+        slot = self.in_flight.pop(0)
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        rows = self.slots[slot].tolist()
         return [r[1:] for r in rows], [r[0] for r in rows]
 
 
 def _commit(run: _Run, state: _State, tokens: list[list[int]], counts: list[int]) -> None:
-    """Hands each running request its tokens of the round; tells the device which requests are done.
-    The stats count what a request kept (a round past its limit or stop keeps fewer than it accepted)."""
+    """Hands each running request its tokens of the round; tells the device which requests are done
+    (a copy from pinned memory in stream order: the rounds enqueued after it see it; a round already in
+    flight still runs the request, and the host drops what it commits)."""
     was = list(run.reqs.active)
     for r, (toks, n) in enumerate(zip(tokens, counts)):
         if was[r]:
@@ -369,29 +393,81 @@ def _commit(run: _Run, state: _State, tokens: list[list[int]], counts: list[int]
             if run.config.method != "autoregressive":
                 run.stats.accept_lengths.append(kept)
     if run.reqs.active != was:
-        state.active.copy_(torch.tensor(run.reqs.active), non_blocking=False)
+        active = torch.tensor(run.reqs.active, pin_memory=state.active.device.type == "cuda")
+        state.active.copy_(active, non_blocking=True)
+
+
+def _pipelined(run: _Run, device: torch.device) -> bool:
+    """Whether the host enqueues the next round before reading the last one (module docstring): on CUDA
+    with a kernel impl, whose stages read nothing on the host. On the CPU the host is the device, and
+    a round enqueued ahead would only add the wasted last one."""
+    return device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
+
+
+def _surely_last(run: _Run) -> bool:
+    """True when the round in flight finishes every running request whatever it accepts (it commits at
+    least one token to each): no round need be enqueued after it."""
+    return all(
+        len(t) + 1 >= limit for t, limit, on in zip(run.reqs.tokens, run.reqs.limits, run.reqs.active) if on
+    )
+
+
+class _Rounds:
+    """Enqueues rounds (every stage, replayed or eager, then the copy of its committed tokens) and reads
+    them back in order."""
+
+    def __init__(self, run: _Run, state: _State) -> None:
+        self.run, self.state = run, state
+        self.stages, self.graphs, self.host = _Stages(run, state), None, None
+        self.in_flight = 0
+
+    def enqueue(self) -> None:
+        for name, fn, _ in self.stages.order:
+            with self.run.timer.stage(name):
+                self.graphs.run(name, fn) if self.graphs is not None else fn()
+        self.host = self.host or _HostCopy(self.state)
+        self.host.send(self.state)
+        self.in_flight += 1
+
+    def read(self) -> tuple[list[list[int]], list[int]]:
+        self.in_flight -= 1
+        return self.host.read()
+
+    def discard(self) -> None:
+        """Forgets the rounds still in flight (enqueued ahead, past the last request's end): their
+        stage times are dropped and they are counted in stats.discarded_rounds."""
+        self.run.timer.drop_last(len(self.stages.order) * self.in_flight)
+        self.run.stats.discarded_rounds += self.in_flight
+        self.in_flight = 0
 
 
 def _decode(run: _Run, state: _State, device: torch.device) -> None:
-    stages, graphs, host = _Stages(run, state), None, None
+    """The decoding rounds. Once the stages are captured (or will never be), the host enqueues round
+    k + 1 before it reads round k, so the device runs rounds back to back while the host copies, commits
+    and streams the last one; the round enqueued past the end is discarded."""
+    rounds = _Rounds(run, state)
     speculative = run.config.method != "autoregressive"
+    graphs_wanted, ahead = _use_graphs(run, device), _pipelined(run, device)
     while any(run.reqs.active):
-        for name, fn, _ in stages.order:
-            with run.timer.stage(name):
-                graphs.run(name, fn) if graphs is not None else fn()
+        if rounds.in_flight == 0:
+            rounds.enqueue()
+        if ahead and (rounds.graphs is not None or not graphs_wanted) and not _surely_last(run):
+            rounds.enqueue()
+        tokens, counts = rounds.read()  # waits for the oldest round in flight
         run.stats.rounds += 1
         run.stats.target_forwards += 1
         run.stats.drafter_forwards += int(speculative)
-        host = host or _HostCopy(state)
-        tokens, counts = host.read(state)  # waits for the round
         with run.timer.host_stage("commit"):
             _commit(run, state, tokens, counts)
-        run.timer.collect()
-        if graphs is None and any(run.reqs.active) and _use_graphs(run, device):
+        if not any(run.reqs.active):
+            rounds.discard()
+        run.timer.collect(wait=False)
+        if rounds.graphs is None and any(run.reqs.active) and graphs_wanted:
             t0 = run.timer.now()
-            graphs = _Graphs(stages)
+            rounds.graphs = _Graphs(rounds.stages)
             run.stats.cuda_graphs = True
             run.stats.capture_time = run.timer.now() - t0
+    run.timer.collect()
 
 
 def _drafter_config(drafter):

@@ -37,9 +37,11 @@ def request_limits(prompt_lengths: Sequence[int], max_new_tokens: int, context: 
 def cache_rows(
     prompt_lengths: Sequence[int], limits: Sequence[int], method: str, budget: int, block_size: int
 ) -> int:
-    """Cache rows per request: the longest prompt + limit, plus the margin the last round may write
-    past a request's limit (a whole tree and a draft block; the requests stop there)."""
-    margin = 2 if method == "autoregressive" else budget + block_size + 2
+    """Cache rows per request: the longest prompt + limit, plus the margin the rounds after a request's
+    last token may write: the round that commits the last token may commit a block more, the round
+    enqueued ahead of the host's reading (engine.loop) commits up to another block, and the rounds after
+    it write a whole tree without committing it."""
+    margin = 4 if method == "autoregressive" else budget + 2 * block_size + 2
     return max(n + limit for n, limit in zip(prompt_lengths, limits)) + margin
 
 

@@ -58,12 +58,22 @@ class StageTimer:
             if self.enabled:
                 self.times[name] += time.perf_counter() - t0
 
-    def collect(self) -> None:
-        """Adds the recorded stages' times; call after a synchronisation that covers them."""
-        for name, begin, end in self._pending:
+    def collect(self, wait: bool = True) -> None:
+        """Adds the times of the recorded stages, in order: all of them (waiting for the device), or
+        with wait=False those that have finished, up to the first that has not."""
+        while self._pending:
+            name, begin, end = self._pending[0]
+            if not wait and not end.query():
+                break
             end.synchronize()
             self.times[name] += begin.elapsed_time(end) / 1e3
-        self._pending.clear()
+            self._pending.pop(0)
+
+    def drop_last(self, count: int) -> None:
+        """Forgets the last `count` recorded stages, not collected yet (a round whose results are
+        discarded)."""
+        if count > 0:
+            del self._pending[-count:]
 
 
 @dataclass
@@ -87,6 +97,7 @@ class GenerationStats:
     wall_time: float = 0.0  # seconds of the whole call, prefill and graph capture included
     cuda_graphs: bool = False
     capture_time: float = 0.0  # seconds spent capturing CUDA graphs (once per call, after round 1)
+    discarded_rounds: int = 0  # rounds enqueued ahead past the end (engine.loop), not in `rounds`
 
     @property
     def total_new_tokens(self) -> int:

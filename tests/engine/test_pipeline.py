@@ -1,0 +1,86 @@
+"""The pipelined rounds of engine.loop (on CUDA the host enqueues round k + 1 before it reads round k),
+forced on the CPU: the same tokens, streams and stats as rounds read one by one, requests that the
+host finds done while a round is already in flight, the cache margin that round needs, and the round
+enqueued past the end discarded."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, loop
+from kdtree_engine.model import greedy_generate
+from tests.engine.helpers import OracleDrafter, random_prompts, tiny_drafter, tiny_target
+
+
+def _run(monkeypatch, pipelined: bool, target, drafter, prompts, config, **kw):
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
+    streamed: dict[int, list[int]] = {b: [] for b in range(len(prompts))}
+    out = generate(target, drafter, prompts, config, on_tokens=lambda b, t: streamed[b].extend(t), **kw)
+    assert [streamed[b] for b in range(len(prompts))] == out.tokens
+    return out
+
+
+@pytest.mark.parametrize("method", ["ddtree", "dflash", "autoregressive"])
+def test_pipelined_rounds_commit_what_rounds_read_one_by_one_commit(monkeypatch, method):
+    """Request 0 (the longest prompt: it sets the cache rows) gets whole blocks accepted and reaches its
+    limit first: the round in flight then commits another block past it on the device, and the rounds
+    after that write whole trees there while request 1, accepting one token per round before position
+    20, runs on (the cache margin, engine.memory.cache_rows)."""
+    target = tiny_target(4)
+    prompts = random_prompts(21, [20, 3], target.config.vocab_size)
+    n = 27
+
+    def rank(pos: int) -> int:
+        return 0 if pos >= 20 else 9  # rank 9 is outside the drafted top 2: nothing accepted
+
+    oracle = OracleDrafter(target, prompts, n + 40, block_size=8, rank=rank, top=2)
+    drafter = None if method == "autoregressive" else oracle
+    config = GenerationConfig(max_new_tokens=n, method=method, budget=8)
+    one_by_one = _run(monkeypatch, False, target, drafter, prompts, config)
+    pipelined = _run(monkeypatch, True, target, drafter, prompts, config)
+    assert pipelined.tokens == one_by_one.tokens == greedy_generate(target, prompts, n)
+    a, b = pipelined.stats, one_by_one.stats
+    assert (a.rounds, a.target_forwards, a.drafter_forwards) == (b.rounds, b.target_forwards, b.drafter_forwards)
+    assert a.accept_lengths == b.accept_lengths and b.discarded_rounds == 0
+    if method != "autoregressive":  # the last round is not surely last: one discarded
+        assert len(set(a.accept_lengths)) > 1 and a.discarded_rounds == 1
+
+
+def test_a_request_the_host_stops_keeps_running_one_round_without_output(monkeypatch):
+    """Stop tokens end requests in different rounds; the round already in flight still runs them on
+    the device (their rows commit there) and the host keeps nothing of it; a random drafter makes the
+    acceptance ragged."""
+    target = tiny_target(0)
+    prompts = random_prompts(5, [4, 7, 2, 6], target.config.vocab_size)
+    full = greedy_generate(target, prompts, 30)
+    stops = (full[0][6], full[2][11])
+    drafter = tiny_drafter(0, block_size=8)
+    config = GenerationConfig(max_new_tokens=30, method="ddtree", budget=16, stop_tokens=stops)
+    one_by_one = _run(monkeypatch, False, target, drafter, prompts, config)
+    pipelined = _run(monkeypatch, True, target, drafter, prompts, config)
+    assert pipelined.tokens == one_by_one.tokens
+    assert any(len(t) < 30 for t in pipelined.tokens)
+    assert pipelined.stats.accept_lengths == one_by_one.stats.accept_lengths
+
+
+def test_sampled_pipelined_rounds_draw_the_same_tokens(monkeypatch):
+    """Sampled decoding keys each draw by its offset: the rounds enqueued ahead take the same offsets."""
+    target = tiny_target(1)
+    prompts = random_prompts(8, [5, 3], target.config.vocab_size)
+    drafter = tiny_drafter(1, block_size=6)
+    config = GenerationConfig(
+        max_new_tokens=20, method="ddtree", budget=8, seed=7, sampling=SamplingParams(temperature=1.0)
+    )
+    one_by_one = _run(monkeypatch, False, target, drafter, prompts, config)
+    pipelined = _run(monkeypatch, True, target, drafter, prompts, config)
+    assert pipelined.tokens == one_by_one.tokens
+
+
+def test_no_round_is_enqueued_after_one_that_surely_ends_every_request(monkeypatch):
+    """Autoregressive decoding commits one token per round: the host knows the last round, enqueues
+    nothing past it and discards nothing."""
+    target = tiny_target(0)
+    prompts = random_prompts(3, [4, 6], target.config.vocab_size)
+    config = GenerationConfig(max_new_tokens=9, method="autoregressive")
+    out = _run(monkeypatch, True, target, None, prompts, config)
+    assert out.tokens == greedy_generate(target, prompts, 9) and out.stats.discarded_rounds == 0
