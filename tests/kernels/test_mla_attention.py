@@ -374,13 +374,15 @@ def test_impl_is_checked_and_dispatch_reads_as_a_table(device):
         assert plan_attention(q, kv, lengths, impl="hopper", **kw).kernel == "triton"
 
 
-def test_float64_runs_the_reference_and_refuses_the_kernel():
+def test_float64_runs_the_reference_and_refuses_the_kernel(device):
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 3, 2, 40, generator=g, dtype=torch.float64)
     kv = torch.randn(1, 8, 40, generator=g, dtype=torch.float64)
     lengths = torch.tensor([8])
-    out, lse = tree_mla_attention(q, kv, lengths, softmax_scale=0.2, d_v=32)
+    on = (q.to(device), kv.to(device), lengths.to(device))
+    out, lse = tree_mla_attention(*on, softmax_scale=0.2, d_v=32)
     assert out.dtype == torch.float64 and lse.dtype == torch.float64
+    out = out.cpu()
     # Causal over the last 3 slots, written out in float64 by hand.
     scores = torch.einsum("thd,sd->ths", q[0], kv[0]) * 0.2
     allowed = torch.ones(3, 8, dtype=torch.bool)
@@ -389,7 +391,7 @@ def test_float64_runs_the_reference_and_refuses_the_kernel():
     expect = torch.einsum("ths,sd->thd", torch.softmax(scores, -1), kv[0, :, :32])
     assert torch.allclose(out[0], expect, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="^q:"):
-        tree_mla_attention(q, kv, lengths, softmax_scale=0.2, d_v=32, impl="triton")
+        tree_mla_attention(*on, softmax_scale=0.2, d_v=32, impl="triton")
 
 
 def test_split_count_fills_the_chip_at_batch_one():

@@ -35,10 +35,10 @@ def _run(part, plse, rows, d_c):
 
 
 @pytest.mark.parametrize("splits,rows,d_c", [(1, 5, 24), (3, 16, 32), (4, 17, 24), (11, 9, 32), (64, 3, 8)])
-def test_merge_matches_logsumexp(splits, rows, d_c):
+def test_merge_matches_logsumexp(splits, rows, d_c, device):
     gen = torch.Generator().manual_seed(splits * 31 + rows)
     part, plse = _inputs(2, splits, rows, d_c, gen)
-    got_out, got_lse = _run(part, plse, rows, d_c)
+    got_out, got_lse = (x.cpu() for x in _run(part.to(device), plse.to(device), rows, d_c))
     want_out, want_lse = _want(part, plse)
     assert torch.equal(got_lse.isinf(), want_lse.isinf())
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)

@@ -79,7 +79,7 @@ def emulate(q, kv, lengths, vis, scale, d_c, blocks, s: sched.Schedule, grid: in
     ],
 )
 @pytest.mark.parametrize("spare", [0, 3])  # programs past the schedule's (a captured grid): no work
-def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare):
+def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare, device):
     gen = torch.Generator().manual_seed(b * 100 + t)
     q, kv, lengths, vis, _, _ = make_inputs(b, t, h, 24, 8, prefixes, torch.float32, None, "random", gen)
     kv = kv.nan_to_num(0.0)  # slots past the lengths are never part of a run here
@@ -90,20 +90,22 @@ def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare):
     grid = s.programs + spare
     out, lse, part, plse = emulate(q, kv, lengths, vis, scale, d_c, blocks, s, grid)
     assert s.cuts() or not out.isnan().any()
-    device_sched = sched.device_schedule(lengths.to(torch.int32), blocks, sms, BN, forced)
+    device_sched = sched.device_schedule(lengths.to(device, torch.int32), blocks, sms, BN, forced)
     assert tuple(device_sched.tolist()) == tuple(s)
     cut = sched.cut_blocks(b, blocks, grid, forced)
     pieces = sched.max_pieces(b, blocks, sms, forced)
+    part, plse, out, lse = (x.to(device) for x in (part, plse, out, lse))
     host_out, host_lse = out.clone(), lse.clone()
     merge_pieces(part, plse, out, lse, device_sched, rows, blocks, BM, cut, pieces)
     merge_pieces(part, plse, host_out, host_lse, tuple(s), rows, blocks, BM, cut, pieces)  # from the host
     assert torch.equal(host_out.nan_to_num(7.0), out.nan_to_num(7.0)) and torch.equal(host_lse, lse)
+    out, lse = out.cpu(), lse.cpu()
     want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c)
     assert_close("out", out.view(b, t, h, d_c), want_out, 1e-4)
     assert_close("lse", lse.view(b, t, h), want_lse, 1e-4)
 
 
-def test_device_schedule_equals_the_specification():
+def test_device_schedule_equals_the_specification(device):
     """Random batches, row blocks, chip sizes and forced cuts: the device kernel's numbers are the
     Python schedule's, and no row block meets more programs than max_pieces says."""
     rng = random.Random(0)
@@ -112,7 +114,7 @@ def test_device_schedule_equals_the_specification():
         sms, forced = rng.choice([1, 4, 11, 13, 132]), rng.choice([0, 0, 0, 2, 5])
         lengths = torch.randint(1, rng.choice([100, 5000, 40000]), (b,))
         want = sched.schedule(b, blocks, -(-int(lengths.max()) // 64), sms, forced)
-        assert tuple(sched.device_schedule(lengths, blocks, sms, 64, forced).tolist()) == tuple(want)
+        assert tuple(sched.device_schedule(lengths.to(device), blocks, sms, 64, forced).tolist()) == tuple(want)
         pieces = [((rb * want.tiles + want.tiles - 1) // want.per) - (rb * want.tiles) // want.per + 1
                   for rb in range(b * blocks)]  # fmt: skip
         assert max(pieces) <= sched.max_pieces(b, blocks, sms, forced)

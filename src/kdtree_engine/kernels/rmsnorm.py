@@ -5,7 +5,8 @@ last bit of the float32 statistic.
 
 add_rmsnorm fuses the residual add before it: s = x + delta rounded to the dtype (as torch's add), then
 the same RMSNorm of s; it returns both. One program per row, the whole row in one block: a row's bits
-depend only on that row, whatever the number of rows."""
+depend only on that row, whatever the number of rows. Compiled without FMA contraction, as the fused
+latent-row kernel (kernels/mla_latent.py), whose norm must give these bits."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def add_rmsnorm(
         block = triton.next_power_of_2(d)
         _add_rmsnorm_kernel[(xr.shape[0],)](
             xr, dr, weight, total, out, d, xr.stride(0), dr.stride(0), eps, BLOCK=block,
-            num_warps=_warps(block),
+            num_warps=_warps(block), enable_fp_fusion=False,
         )  # fmt: skip
     return total.view(x.shape), out.view(x.shape)
 
@@ -83,6 +84,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(d)
         warps = _warps(block)
         _rmsnorm_kernel[(rows.shape[0],)](
-            rows, weight, out, d, rows.stride(0), out.stride(0), eps, BLOCK=block, num_warps=warps
+            rows, weight, out, d, rows.stride(0), out.stride(0), eps, BLOCK=block, num_warps=warps,
+            enable_fp_fusion=False,
         )
     return out.view(x.shape)
