@@ -304,3 +304,23 @@ def test_nano_main_with_the_shipped_target(tmp_path, capsys):
 def test_nano_missing_drafter_dir_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="--drafter random"):
         e2e.main(_args("--target", "nano", "--device", "cpu", "--drafter", str(tmp_path / "none")))
+
+
+def test_timed_run_takes_tokens_per_second_untimed_and_stages_from_a_timed_call(monkeypatch):
+    """The returned call ran without stage timers; the stage times it carries come from the call before
+    it, which ran the same rounds."""
+    from kdtree_engine.engine import GenerationConfig, loop
+
+    timing = []
+    real = loop.generate
+
+    def spy(*a, stage_timing=True, **kw):
+        timing.append(stage_timing)
+        return real(*a, stage_timing=stage_timing, **kw)
+
+    monkeypatch.setattr("kdtree_engine.engine.generate", spy)
+    target, drafter = tiny_target(), tiny_drafter()
+    prompts = random_prompts(6, [5, 7], target.config.vocab_size)
+    out = e2e.timed_run(target, drafter, prompts, GenerationConfig(max_new_tokens=6, budget=4))
+    assert timing == [True, True, False]
+    assert out.stats.stage_times["verify"] > 0 and out.stats.stage_times["draft"] > 0
