@@ -40,7 +40,8 @@ def test_pipelined_rounds_commit_what_rounds_read_one_by_one_commit(monkeypatch,
     pipelined = _run(monkeypatch, True, target, drafter, prompts, config)
     assert pipelined.tokens == one_by_one.tokens == greedy_generate(target, prompts, n)
     a, b = pipelined.stats, one_by_one.stats
-    assert (a.rounds, a.target_forwards, a.drafter_forwards) == (b.rounds, b.target_forwards, b.drafter_forwards)
+    for field in ("rounds", "target_forwards", "drafter_forwards"):
+        assert getattr(a, field) == getattr(b, field), field
     assert a.accept_lengths == b.accept_lengths and b.discarded_rounds == 0
     if method != "autoregressive":  # the last round is not surely last: one discarded
         assert len(set(a.accept_lengths)) > 1 and a.discarded_rounds == 1

@@ -2,7 +2,7 @@
 tokenizer of a checkpoint folder (load_tokenizer)."""
 
 from kdtree_engine.engine.config import METHODS, GenerationConfig
-from kdtree_engine.engine.loop import GenerationOutput, chain_tree, generate
+from kdtree_engine.engine.loop import GenerationOutput, Runner, chain_tree, generate
 from kdtree_engine.engine.sampling import SamplingParams, accept_tokens, root_tree, target_probs
 from kdtree_engine.engine.stats import STAGES, GenerationStats
 from kdtree_engine.engine.tokenizer import Tokenizer, load_tokenizer
@@ -13,6 +13,7 @@ __all__ = [
     "GenerationConfig",
     "GenerationOutput",
     "GenerationStats",
+    "Runner",
     "SamplingParams",
     "Tokenizer",
     "accept_tokens",

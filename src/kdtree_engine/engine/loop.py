@@ -44,7 +44,7 @@ from kdtree_engine.model.greedy import pad_prompts
 from kdtree_engine.ref.sampling import stream_key_table
 from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
 
-__all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "chain_tree", "generate"]
+__all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "Runner", "chain_tree", "generate"]
 
 OnTokens = Callable[[int, list[int]], None]
 
@@ -117,9 +117,11 @@ class _State:
 
     cache: the target's LatentKVCache; dcache: the drafter's cache (None for autoregressive); start [B]
     cached rows = position of the bonus token; bonus [B] the last committed token, not yet cached; active
-    [B] bool: the request still runs; ctx [B, C, F] / ctx_lens [B]: target features the drafter has not
-    seen yet (None for autoregressive); committed [B, 1 + W]: what the last round committed per request,
-    for the host in one copy: the count n, then the n tokens (allocated by the first round)."""
+    [B] bool: the request still runs; ctx [B, L + 1, F] / ctx_lens [B]: target features of the rows the
+    last round committed, which the drafter has not seen yet (None for autoregressive; written by the
+    first round's accept); prompt_ctx [B, T, F]: the prompts' features, read by the first draft of a call
+    instead of ctx, then None; committed [B, 1 + W]: what the last round committed per request, for the
+    host in one copy: the count n, then the n tokens (allocated by the first round)."""
 
     cache: object
     dcache: object | None
@@ -129,6 +131,7 @@ class _State:
     ctx: torch.Tensor | None = None
     ctx_lens: torch.Tensor | None = None
     committed: torch.Tensor | None = None
+    prompt_ctx: torch.Tensor | None = None
 
     def put(self, name: str, value: torch.Tensor) -> None:
         """Writes value into the tensor `name` in place (a new tensor the first time or on a new shape)."""
@@ -177,11 +180,23 @@ def _pick(run: _Run, logits: torch.Tensor) -> torch.Tensor:
     return _accept(run, root_tree(logits.shape[0], logits.device), logits[:, None]).bonus
 
 
-def _prefill(run: _Run, prompts: list[list[int]]) -> _State:
+def _reset_cache(cache) -> None:
+    """Empties a cache kept from an earlier call in place (its rows past the lengths are never read)."""
+    seqlens = getattr(cache, "seqlens", None)
+    if isinstance(seqlens, torch.Tensor):
+        seqlens.zero_()
+
+
+def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None) -> _State:
     """Prefill of the ragged prompts, padded to the longest, capturing the drafter's target layers;
-    commits each request's first token, chosen from its last real row."""
+    commits each request's first token, chosen from its last real row. `state`: the state of an earlier
+    call of the same shape (a Runner's), reset and written in place; None: a new one."""
     b = len(prompts)
-    cache = run.target.new_cache(b, run.max_len)
+    cache = state.cache if state is not None else run.target.new_cache(b, run.max_len)
+    if state is not None:
+        _reset_cache(cache)
+        if state.dcache is not None:
+            _reset_cache(state.dcache)
     with run.timer.stage("prefill"):
         ids, lens = pad_prompts(prompts, cache.seqlens.device)
         out = run.target(
@@ -191,15 +206,18 @@ def _prefill(run: _Run, prompts: list[list[int]]) -> _State:
     run.stats.target_forwards += 1
     for r, t in enumerate(bonus.tolist()):
         run.reqs.commit(r, [t])
-    return _State(
-        cache=cache,
-        dcache=run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None,
-        start=lens.clone(),
-        bonus=bonus.clone(),
-        active=torch.tensor(run.reqs.active, device=lens.device),
-        ctx=out.hidden,
-        ctx_lens=lens.clone(),
-    )
+    active = torch.tensor(run.reqs.active, device=lens.device)
+    if state is None:
+        dcache = run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None
+        state = _State(cache=cache, dcache=dcache, start=lens.clone(), bonus=bonus.clone(), active=active,
+                       ctx_lens=lens.clone())  # fmt: skip
+    else:
+        state.start.copy_(lens)
+        state.bonus.copy_(bonus)
+        state.active.copy_(active)
+        state.ctx_lens.copy_(lens)
+    state.prompt_ctx = out.hidden
+    return state
 
 
 class _Stages:
@@ -213,7 +231,7 @@ class _Stages:
         device = state.start.device
         if not run.config.sampling.greedy and _use_graphs(run, device):
             # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
-            table = stream_key_table(run.noise_seed, max(run.reqs.limits) + 3)  # draws <= rounds + 2
+            table = stream_key_table(run.noise_seed, run.max_len + 3)  # draws <= rounds + 2 <= max_len + 3
             self.keys = table.to(device)
             self.draw = torch.tensor([run.draws], device=device)
         accept_capturable = run.config.sampling.greedy or self.keys is not None
@@ -249,11 +267,23 @@ class _Stages:
             setattr(self, name, value)
 
     def draft(self) -> None:
+        """The drafter on the features it has not seen: the prompts' in a call's first round, else those
+        of the rows the last round committed."""
         run, s = self.run, self.s
+        ctx = s.prompt_ctx if s.prompt_ctx is not None else s.ctx
+        s.prompt_ctx = None
         self._put(
             "draft_logits",
-            run.drafter.draft(run.target, s.ctx, s.ctx_lens, s.bonus, s.start, s.dcache, impl=run.impl),
+            run.drafter.draft(run.target, ctx, s.ctx_lens, s.bonus, s.start, s.dcache, impl=run.impl),
         )
+
+    def reuse(self, run: _Run) -> None:
+        """Binds the stages to the next call's run (a Runner's later call): its sampled draws start at
+        run.draws, keyed by its seed, in the key table the captured accept reads."""
+        self.run = run
+        if self.keys is not None:
+            self.keys.copy_(stream_key_table(run.noise_seed, self.keys.shape[0]).to(self.keys.device))
+            self.draw.fill_(run.draws)
 
     def tree_build(self) -> None:
         run = self.run
@@ -373,6 +403,11 @@ class _HostCopy:
         self.in_flight.append(slot)
         self.sent += 1
 
+    def forget(self) -> None:
+        """Drops the rounds in flight without reading them (their copies land in stream order, before
+        any later round's)."""
+        self.in_flight.clear()
+
     def read(self) -> tuple[list[list[int]], list[int]]:
         """Waits for the oldest round in flight and returns its (tokens per request, counts)."""
         slot = self.in_flight.pop(0)
@@ -414,17 +449,26 @@ def _surely_last(run: _Run) -> bool:
 
 class _Rounds:
     """Enqueues rounds (every stage, replayed or eager, then the copy of its committed tokens) and reads
-    them back in order."""
+    them back in order. Kept by a Runner across calls: its stages, graphs and copy slots."""
 
     def __init__(self, run: _Run, state: _State) -> None:
         self.run, self.state = run, state
         self.stages, self.graphs, self.host = _Stages(run, state), None, None
         self.in_flight = 0
 
+    def reuse(self, run: _Run, state: _State) -> None:
+        """Binds the rounds to the next call (the same state, reset and prefilled in place)."""
+        if state is not self.state:
+            raise RuntimeError("_Rounds.reuse: a call of another state")
+        self.run = run
+        self.stages.reuse(run)
+
     def enqueue(self) -> None:
+        prompts = self.state.prompt_ctx is not None  # the first draft reads the prompts: eager
         for name, fn, _ in self.stages.order:
             with self.run.timer.stage(name):
-                self.graphs.run(name, fn) if self.graphs is not None else fn()
+                replay = self.graphs is not None and not (prompts and name == "draft")
+                self.graphs.run(name, fn) if replay else fn()
         self.host = self.host or _HostCopy(self.state)
         self.host.send(self.state)
         self.in_flight += 1
@@ -438,16 +482,23 @@ class _Rounds:
         stage times are dropped and they are counted in stats.discarded_rounds."""
         self.run.timer.drop_last(len(self.stages.order) * self.in_flight)
         self.run.stats.discarded_rounds += self.in_flight
+        if self.host is not None:
+            self.host.forget()
         self.in_flight = 0
 
 
-def _decode(run: _Run, state: _State, device: torch.device) -> None:
-    """The decoding rounds. Once the stages are captured (or will never be), the host enqueues round
-    k + 1 before it reads round k, so the device runs rounds back to back while the host copies, commits
-    and streams the last one; the round enqueued past the end is discarded."""
-    rounds = _Rounds(run, state)
+def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | None = None) -> _Rounds:
+    """The decoding rounds; returns them (with their graphs) for a later call of the same shape. Once
+    the stages are captured (or will never be), the host enqueues round k + 1 before it reads round k,
+    so the device runs rounds back to back while the host copies, commits and streams the last one; the
+    round enqueued past the end is discarded. `rounds`: those of an earlier call on this state."""
+    if rounds is None:
+        rounds = _Rounds(run, state)
+    else:
+        rounds.reuse(run, state)
     speculative = run.config.method != "autoregressive"
     graphs_wanted, ahead = _use_graphs(run, device), _pipelined(run, device)
+    run.stats.cuda_graphs = rounds.graphs is not None
     while any(run.reqs.active):
         if rounds.in_flight == 0:
             rounds.enqueue()
@@ -468,6 +519,7 @@ def _decode(run: _Run, state: _State, device: torch.device) -> None:
             run.stats.cuda_graphs = True
             run.stats.capture_time = run.timer.now() - t0
     run.timer.collect()
+    return rounds
 
 
 def _drafter_config(drafter):
@@ -488,6 +540,84 @@ def _stop_matchers(config: GenerationConfig, tokenizer, batch: int) -> list[Stop
             "(anything with decode(ids, skip_special_tokens=...)), e.g. engine.load_tokenizer(model_dir)"
         )
     return [StopStringMatcher(tokenizer, config.stop_strings) for _ in range(batch)]
+
+
+class Runner:
+    """Generation for repeated calls of one target, drafter and config at one batch shape, keeping the
+    decoding state and the CUDA graphs of its rounds between calls, as a serving engine captures its
+    graphs once at startup.
+
+    batch_size: requests per call (every call passes exactly that many prompts); prompt_len: the
+    longest prompt a call may pass (in tokens). Sizes and memory are checked here for that capacity. The
+    first call runs one eager round and captures the stages (generate() does this for every call);
+    later calls replay from their first round, whose draft, reading the prompts' features, runs
+    eagerly. A call's tokens and stats do not depend on what ran before it (sampled draws are keyed by
+    its config.seed). The graphs hold the weights' addresses: build a new Runner after moving or
+    reallocating the target's or the drafter's parameters.
+    """
+
+    def __init__(
+        self, target, drafter, config: GenerationConfig, *, batch_size: int, prompt_len: int
+    ) -> None:
+        if not isinstance(config, GenerationConfig):
+            raise ValueError(f"config: expected a GenerationConfig, got {type(config).__name__}")
+        checks.check_drafter(target, drafter, config.method)  # the target first (checks.check_target)
+        for name, value in (("batch_size", batch_size), ("prompt_len", prompt_len)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        self.target, self.drafter, self.config = target, drafter, config
+        self.batch_size, self.prompt_len = batch_size, prompt_len
+        self.block_size = drafter.block_size if config.method != "autoregressive" else 1
+        self.device = target.lm_head.weight.device
+        self.sizes = self._sizes([prompt_len] * batch_size)
+        checks.check_memory(self.device, self.sizes.needs)
+        self._state: _State | None = None
+        self._rounds: _Rounds | None = None
+
+    def _sizes(self, lengths: list[int]):
+        cfg, drafter = self.target.config, _drafter_config(self.drafter)
+        return call_sizes(cfg, self.target.dtype, self.config, lengths, self.block_size, self.device, drafter)
+
+    def _check_shape(self, prompts: list[list[int]]) -> None:
+        if len(prompts) != self.batch_size:
+            raise ValueError(
+                f"prompts: this Runner takes {self.batch_size} prompts per call, got {len(prompts)}"
+            )
+        longest = max(len(p) for p in prompts)
+        if longest > self.prompt_len:
+            raise ValueError(
+                f"prompts: a prompt of {longest} tokens, over this Runner's prompt_len={self.prompt_len}"
+            )
+
+    def generate(
+        self, prompts, *, on_tokens: OnTokens | None = None, stage_timing: bool = True, tokenizer=None
+    ) -> GenerationOutput:
+        """One call: as the module's generate() with this Runner's target, drafter and config."""
+        cfg = self.target.config
+        limit = getattr(cfg, "max_position_embeddings", None)
+        prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
+        self._check_shape(prompts)
+        stops = checks.check_stop_tokens(self.config.stop_tokens, cfg.vocab_size)
+        matchers = _stop_matchers(self.config, tokenizer, len(prompts))
+        sizes = self._sizes([len(p) for p in prompts])
+        stats = GenerationStats(method=self.config.method, batch_size=len(prompts))
+        timer = StageTimer(self.device, enabled=stage_timing)
+        reqs = _Requests(limits=sizes.limits, stops=stops, on_tokens=on_tokens, matchers=matchers)
+        if not any(reqs.active):
+            return GenerationOutput(tokens=reqs.tokens, stats=stats)
+        run = _Run(target=self.target, drafter=self.drafter, config=self.config, budget=sizes.budget,
+                   noise_seed=self.config.seed % 2**64, limit=limit, max_len=self.sizes.max_len, reqs=reqs,
+                   stats=stats, timer=timer)  # fmt: skip
+        _use_graphs(run, self.device)  # a ValueError now rather than after the prefill
+        t0 = timer.now()
+        with torch.inference_mode():
+            self._state = _prefill(run, prompts, self._state)
+            timer.collect()
+            self._rounds = _decode(run, self._state, self.device, self._rounds)
+        stats.wall_time = timer.now() - t0
+        stats.stage_times = dict(timer.times)
+        stats.new_tokens = [len(t) for t in reqs.tokens]
+        return GenerationOutput(tokens=reqs.tokens, stats=stats)
 
 
 def generate(
@@ -514,47 +644,14 @@ def generate(
     committed tokens. stage_timing=False skips the per-stage timers (and their device syncs); the wall
     time is still taken. Memory for the caches and the largest buffers is checked before anything is
     allocated (a ValueError naming the field to lower). Returns GenerationOutput(tokens [B][n_b] new
-    tokens, stats).
+    tokens, stats). For repeated calls of one shape, a Runner keeps the captured rounds between them.
     """
     if not isinstance(config, GenerationConfig):
         raise ValueError(f"config: expected a GenerationConfig, got {type(config).__name__}")
-    method = config.method
-    checks.check_drafter(target, drafter, method)  # the target first (checks.check_target)
+    checks.check_drafter(target, drafter, config.method)  # the target first (checks.check_target)
     cfg = target.config
-    limit = getattr(cfg, "max_position_embeddings", None)
-    prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
-    stops = checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
-    matchers = _stop_matchers(config, tokenizer, len(prompts))
-    block_size = drafter.block_size if method != "autoregressive" else 1
-    device = target.lm_head.weight.device
-    lengths = [len(p) for p in prompts]
-    sizes = call_sizes(cfg, target.dtype, config, lengths, block_size, device, _drafter_config(drafter))
-    checks.check_memory(device, sizes.needs)
-    limits, budget, max_len = sizes.limits, sizes.budget, sizes.max_len
-    stats = GenerationStats(method=method, batch_size=len(prompts))
-    timer = StageTimer(device, enabled=stage_timing)
-    reqs = _Requests(limits=limits, stops=stops, on_tokens=on_tokens, matchers=matchers)
-    if not any(reqs.active):
-        return GenerationOutput(tokens=reqs.tokens, stats=stats)
-    run = _Run(
-        target=target,
-        drafter=drafter,
-        config=config,
-        budget=budget,
-        noise_seed=config.seed % 2**64,
-        limit=limit,
-        max_len=max_len,
-        reqs=reqs,
-        stats=stats,
-        timer=timer,
-    )
-    _use_graphs(run, device)  # a ValueError now rather than after the prefill
-    t0 = timer.now()
-    with torch.inference_mode():
-        state = _prefill(run, prompts)
-        timer.collect()
-        _decode(run, state, device)
-    stats.wall_time = timer.now() - t0
-    stats.stage_times = dict(timer.times)
-    stats.new_tokens = [len(t) for t in reqs.tokens]
-    return GenerationOutput(tokens=reqs.tokens, stats=stats)
+    prompts = checks.check_prompts(prompts, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None))
+    checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
+    _stop_matchers(config, tokenizer, len(prompts))
+    runner = Runner(target, drafter, config, batch_size=len(prompts), prompt_len=max(len(p) for p in prompts))
+    return runner.generate(prompts, on_tokens=on_tokens, stage_timing=stage_timing, tokenizer=tokenizer)
