@@ -307,18 +307,18 @@ def test_nano_missing_drafter_dir_is_named(tmp_path):
 
 
 def test_timed_run_takes_tokens_per_second_untimed_and_stages_from_a_timed_call(monkeypatch):
-    """The returned call ran without stage timers; the stage times it carries come from the call before
-    it, which ran the same rounds."""
-    from kdtree_engine.engine import GenerationConfig, loop
+    """Three calls on one Runner: compile and capture, stage-timed, untimed; the returned call ran
+    without stage timers and carries the stage times of the call before it, which ran the same rounds."""
+    from kdtree_engine.engine import GenerationConfig, Runner
 
     timing = []
-    real = loop.generate
+    real = Runner.generate
 
-    def spy(*a, stage_timing=True, **kw):
+    def spy(self, prompts, *, stage_timing=True, **kw):
         timing.append(stage_timing)
-        return real(*a, stage_timing=stage_timing, **kw)
+        return real(self, prompts, stage_timing=stage_timing, **kw)
 
-    monkeypatch.setattr("kdtree_engine.engine.generate", spy)
+    monkeypatch.setattr(Runner, "generate", spy)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(6, [5, 7], target.config.vocab_size)
     out = e2e.timed_run(target, drafter, prompts, GenerationConfig(max_new_tokens=6, budget=4))
