@@ -9,6 +9,9 @@ then id (every token of the global top-k is in its own shard's top-k, so the mer
 the tie order), minus the normalizer combined from all blocks (the combine adds exact integers, so it
 is the same float32 as on the whole row). This holds when every shard but the last spans a multiple
 of NORM_BLOCK tokens, so that shard blocks are blocks of the whole row: 163840 / 8 = 20480 = 10 x 2048.
+
+Inside SGLang the all-gather is its tensor-parallel GroupCoordinator's; `TorchGroup` gives a plain
+torch.distributed process group (gloo, NCCL) the same two members, for runs without SGLang.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from kdtree_engine.ref.tree import NORM_BLOCK, block_partials, combine_block_partials, topk_stable
 
@@ -90,3 +94,28 @@ def check_shards(sizes: list[int], *, block: int = NORM_BLOCK) -> None:
     bad = [i for i, s in enumerate(sizes[:-1]) if s % block]
     if bad:
         raise ValueError(f"shards: shard {bad[0]} has {sizes[bad[0]]} tokens, not a multiple of {block}")
+
+
+@dataclass(frozen=True)
+class TorchGroup:
+    """A torch.distributed process group (None: the default one) with the two members of SGLang's
+    GroupCoordinator that the drop-in's draft top-k calls: `world_size` and
+    `all_gather_into_tensor(out, in)`, `out` [world, *in.shape] filled in rank order."""
+
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """out [world, *inp.shape] contiguous, inp [...] contiguous, one dtype and device (as the group's
+        backend needs: CPU for gloo, this rank's GPU for NCCL)."""
+        if not (out.is_contiguous() and inp.is_contiguous()) or out.numel() != inp.numel() * self.world_size:
+            raise ValueError(
+                f"out: expected a contiguous [{self.world_size}, *{tuple(inp.shape)}] tensor beside a "
+                f"contiguous input, got {tuple(out.shape)}"
+            )
+        # flat views: gloo splits the output along its first dim only, NCCL takes either layout
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1), inp.view(-1), group=self.group)
