@@ -21,7 +21,8 @@ from kdtree_engine.ref import tree as ref_tree
 
 from . import sharded_ranks as R
 
-RUNS = [("gloo", 2), ("gloo", 4), ("nccl", 2), ("nccl", 4), ("nccl", 8)]
+# the NCCL runs carry the gpu mark, so that the GPU checks (`pytest -m "gpu or golden"`) select them
+RUNS = [("gloo", 2), ("gloo", 4)] + [pytest.param(("nccl", w), marks=pytest.mark.gpu) for w in (2, 4, 8)]
 
 
 def _skip_reason(backend: str, world: int) -> str | None:
