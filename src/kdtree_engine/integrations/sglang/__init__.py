@@ -4,7 +4,8 @@ ddtree-v2, `python/sglang/srt/speculative/ddtree_utils.py`), so that SGLang runs
 Each function takes exactly the port's arguments and returns exactly its outputs, writing into the
 caller's preallocated buffers; on CUDA it runs our Triton kernels (no host synchronisation where the
 port's contract allows none), elsewhere the torch references. `install()` swaps them into a running
-SGLang (see kdtree_engine.integrations.sglang.plugin and docs/sglang.md).
+SGLang and registers our MLA attention backend, `kdtree_mla` (see
+kdtree_engine.integrations.sglang.plugin, .attention and docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ _EXPORTS = {
     "compute_draft_topk_log_probs_and_token_ids": "topk",
     "draft_topk": "topk",
     "install": "plugin",
+    "TreeMLABackend": "attention",
+    "BackendConfig": "attention",
 }
 
 __all__ = sorted(_EXPORTS)

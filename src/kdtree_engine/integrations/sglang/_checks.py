@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from kdtree_engine.ref.tree import MAX_BUDGET
@@ -23,3 +25,18 @@ def check_budget(tree_budget) -> None:
     """The port's tree_budget: an int in [0, MAX_BUDGET], the most nodes our tree ops build."""
     ok = isinstance(tree_budget, int) and not isinstance(tree_budget, bool) and 0 <= tree_budget <= MAX_BUDGET
     need(ok, "tree_budget", f"expected an int in [0, {MAX_BUDGET}], got {tree_budget!r}")
+
+
+def check_params(owner, want: dict[str, list[str]], where: str) -> None:
+    """ValueError naming `where` and every member of owner (a class or module) that is missing or whose
+    leading parameters are not `want`'s: the port moved on from the revision we checked against."""
+    problems = []
+    for name, params in want.items():
+        fn = getattr(owner, name, None)
+        if not callable(fn):
+            problems.append(f"{name} is missing")
+            continue
+        have = list(inspect.signature(fn).parameters)[: len(params)]
+        if have != params:
+            problems.append(f"{name} takes {have}, expected {params}")
+    need(not problems, where, "not the SGLang DDTree port this was checked against: " + "; ".join(problems))

@@ -9,14 +9,18 @@ Two ways, both calling `install()`:
 
 `install()` replaces, in `sglang.srt.speculative.ddtree_utils`, the port's four tree-path functions
 with ours; rebinds them in every loaded `sglang.srt.speculative` module that imported them by name;
-and replaces the worker's draft top-k method on every class that defines it. It checks the port
-first: a function missing, or with parameters other than ours, is a clear error naming it (the port
-moved on; PORT_CHECKED names the revision this was checked against).
+and replaces the worker's draft top-k method on every class that defines it. Where the port has
+SGLang's attention registry, it also registers our MLA attention backend as `kdtree_mla` and extends
+the port's DDTree capability check so that the worker hands that backend the tree
+(kdtree_engine.integrations.sglang.attention). It checks the port first: a function or hook missing,
+or with parameters other than ours, is a clear error naming it (the port moved on; PORT_CHECKED names
+the revision this was checked against).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -27,6 +31,7 @@ WORKERS = ("sglang.srt.speculative.ddtree_worker_v2", "sglang.srt.speculative.dd
 FUNCTIONS = ("build_ddtree_tree_gpu", "compile_ddtree_tree", "follow_verified_tree_gpu",
              "sample_ddtree_target_probs_gpu")  # fmt: skip
 METHOD = "_compute_draft_topk_log_probs_and_token_ids"
+ATTENTION_REGISTRY = "sglang.srt.layers.attention.attention_registry"
 ENV = "KDTREE_ENGINE_SGLANG"
 
 
@@ -95,6 +100,29 @@ def _patch_workers() -> list[str]:
     return patched
 
 
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _install_attention(utils) -> list[str]:
+    """Our MLA attention backend and the capability check that hands it the tree, where the port has
+    SGLang's attention registry (a tree of the speculative modules alone has none: nothing to do)."""
+    if not _has_module(ATTENTION_REGISTRY):
+        return []
+    from kdtree_engine.integrations.sglang import attention
+
+    try:
+        changed, swaps = attention.install(utils)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (checked against {PORT_CHECKED})") from exc
+    for name, (original, wrapped) in swaps.items():
+        changed += _rebind_imported({name: original}, {name: wrapped})
+    return changed
+
+
 def install() -> list[str]:
     """Swaps our tree path into the SGLang DDTree port (see the module docstring); returns what it
     replaced, as dotted names. ValueError when SGLang or the port's functions are not as expected."""
@@ -109,7 +137,7 @@ def install() -> list[str]:
     for name, fn in ours.items():
         setattr(utils, name, fn)
     replaced = [f"{UTILS}.{name}" for name in FUNCTIONS]
-    return replaced + _rebind_imported(originals, ours) + _patch_workers()
+    return replaced + _rebind_imported(originals, ours) + _patch_workers() + _install_attention(utils)
 
 
 def load() -> None:

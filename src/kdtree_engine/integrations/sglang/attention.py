@@ -1,0 +1,412 @@
+"""Our tree-verify MLA attention as an attention backend of SGLang's DDTree port (Rancy-Wang/sglang,
+branch ddtree-v2; `python/sglang/srt/layers/attention/base_attn_backend.py`).
+
+The backend serves the absorbed-MLA forwards of a speculative target through `plan_attention`:
+- decode: one new token per request, `seq_lens` counting it;
+- target verify (DDTree): `draft_token_num` tree nodes per request after a prefix of `seq_lens`
+  tokens, the tree taken from the worker's verify input as visibility `[bs, t, t]` and handed to the
+  kernel as ancestor bits (t <= 64) or as that visibility; never a dense prefix mask;
+- draft extend (DRAFT_EXTEND_V2): a causal block of the same width per request, `seq_lens` counting it.
+Every other forward (prefill, ragged extend, idle) goes to a fallback SGLang backend ("triton" unless
+configured): those carry ragged lengths or the non-absorbed MHA layer, which our op does not take.
+
+SGLang's MLA KV pool (`[slots, 1, 576]` per layer) and its `req_to_token` table are read in place: the
+pool is our paged cache with the pool's page size, and the block table is `req_to_token`'s rows of the
+batch, one entry per page. One plan per forward, built by the forward's first attention layer (inside
+a captured CUDA graph too, so that its device-side schedule is replayed) and reused by every layer;
+no host read inside a captured forward.
+
+Nothing here imports SGLang: `bind(base)` makes the backend class on the port's `AttentionBackend` and
+`install(...)` registers it (called by kdtree_engine.integrations.sglang.plugin.install).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kdtree_engine.attention import AttentionPlan, plan_attention
+from kdtree_engine.impl import IMPLS
+from kdtree_engine.integrations.sglang._checks import check_params, need
+
+NAME = "kdtree_mla"
+ENV_IMPL = "KDTREE_ENGINE_SGLANG_ATTENTION_IMPL"
+ENV_FALLBACK = "KDTREE_ENGINE_SGLANG_ATTENTION_FALLBACK"
+MAX_BITS = 64  # trees up to this many nodes reach the kernel as ancestor bits
+DECODE, VERIFY, DRAFT_EXTEND = "decode", "target_verify", "draft_extend"
+
+# The port's hooks we override or call, with the leading parameters ours take (checked at install).
+HOOKS = {
+    "init_forward_metadata": ["self", "forward_batch"],
+    "init_forward_metadata_out_graph": ["self", "forward_batch", "in_capture"],
+    "init_forward_metadata_in_graph": ["self", "forward_batch"],
+    "init_cuda_graph_state": ["self", "max_bs", "max_num_tokens"],
+    "get_cuda_graph_seq_len_fill_value": ["self"],
+    "forward": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
+    "forward_decode": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
+    "forward_extend": ["self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache"],
+}
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """impl: kdtree_engine.impl's vocabulary (None: the fastest that runs). validate: check the lengths,
+    tree diagonal and block table once per eager forward (one host sync; never while capturing).
+    fallback: the SGLang backend name that serves the forwards we do not."""
+
+    impl: str | None = None
+    validate: bool = False
+    fallback: str = "triton"
+
+    def __post_init__(self):
+        need(
+            self.impl is None or self.impl in IMPLS,
+            "impl",
+            f"expected None or one of {IMPLS}, got {self.impl!r}",
+        )
+        need(self.fallback != NAME, "fallback", f"must be another SGLang backend than {NAME!r}")
+
+    @classmethod
+    def from_env(cls) -> BackendConfig:
+        """KDTREE_ENGINE_SGLANG_ATTENTION_IMPL and _FALLBACK, where set."""
+        return cls(impl=os.environ.get(ENV_IMPL) or None, fallback=os.environ.get(ENV_FALLBACK) or "triton")
+
+
+@dataclass
+class ForwardMetadata:
+    """One forward's attention inputs, shared by every layer. seqlens [bs] int32: cache slots per request,
+    the new tokens (tree) being the last; block_table [bs, pages] int32 (page ids of the pool); bits
+    [bs, t] int64 or visibility [bs, t, t] bool for a tree, neither for a causal block; max_seqlen: a
+    host bound on seqlens when one is known without a sync; plan: built by the first layer."""
+
+    kind: str
+    seqlens: torch.Tensor
+    block_table: torch.Tensor
+    bits: torch.Tensor | None = None
+    visibility: torch.Tensor | None = None
+    max_seqlen: int | None = None
+    plan: AttentionPlan | None = None
+
+
+class TreeMLABackend:
+    """The backend's methods; `bind(base)` mixes them into a subclass of the port's AttentionBackend,
+    whose `forward` dispatches to forward_decode / forward_extend."""
+
+    def __init__(self, model_runner, fallback=None, config: BackendConfig | None = None):
+        self.config = config or BackendConfig()
+        self.fallback = fallback
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token  # [reqs, max_context] int32
+        self.pool = model_runner.token_to_kv_pool
+        self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
+        self.device = self.req_to_token.device
+        need(self.page_size >= 1, "page_size", f"expected >= 1, got {self.page_size}")
+        self.forward_metadata: ForwardMetadata | None = None
+        self.graph: dict[str, torch.Tensor] | None = None
+
+    # ---- forward metadata -------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch) -> None:
+        """Eager: this forward's metadata in fresh tensors (ours), or the fallback's."""
+        kind = forward_kind(forward_batch)
+        if kind is None:
+            self._delegate("init_forward_metadata", forward_batch)
+            return
+        self.forward_metadata = self._metadata(forward_batch, kind, graph=None)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Before a capture or a replay: this forward's metadata written into the static graph buffers,
+        so that the captured kernels read the new lengths, pages and tree."""
+        kind = forward_kind(forward_batch)
+        if kind is None:
+            self._delegate("init_forward_metadata_out_graph", forward_batch, in_capture)
+            return
+        need(self.graph is not None, "init_cuda_graph_state", "was not called before a graph forward")
+        self.forward_metadata = self._metadata(forward_batch, kind, graph=self.graph)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Inside the capture: drop the plan, so that the captured forward's first layer plans again and
+        its device-side schedule (read from the static lengths) is recorded with it."""
+        if forward_kind(forward_batch) is None:
+            self._delegate("init_forward_metadata_in_graph", forward_batch)
+        elif self.forward_metadata is not None:
+            self.forward_metadata.plan = None
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Static buffers for every captured batch size: lengths, block table, tree (bits and visibility)."""
+        width = max(1, max_num_tokens // max(max_bs, 1))
+        pages = -(-self.req_to_token.shape[1] // self.page_size)
+        dev = self.device
+        self.graph = {
+            "seqlens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_table": torch.zeros(max_bs, pages, dtype=torch.int32, device=dev),
+            "bits": torch.zeros(max_bs * min(width, MAX_BITS), dtype=torch.int64, device=dev),
+            "visibility": torch.zeros(max_bs * width * width, dtype=torch.bool, device=dev),
+        }
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padded requests of a replayed batch get one prefix token (slot of req_to_token row entry 0)."""
+        return 1
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        return [None, None]
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing: the tree is read from the verify input by init_forward_metadata_out_graph."""
+
+    # ---- forwards ---------------------------------------------------------------------------------
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """One token per request: see _attend."""
+        if forward_kind(forward_batch) is None:
+            return self._delegate("forward_decode", q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Target verify and draft extend are ours; any other extend is the fallback's."""
+        if forward_kind(forward_batch) is None:
+            return self._delegate("forward_extend", q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self._attend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, q_rope=None, k_rope=None, **kwargs):
+        """The model's absorbed-MLA call, in either of DeepSeek-V2's forms: q [n, h * d] or [n, h, d]
+        with k [n, 1, d] (latent then rope) and v [n, 1, d_v]; or q [n, h, d_v] with q_rope [n, h, d_r],
+        k [n, 1, d_v] and k_rope [n, 1, d_r]. Writes the new tokens' cache rows (save_kv_cache), then
+        returns out [n, h * d_v] in q's dtype (n = bs * t tokens, request-major)."""
+        need(kwargs.get("sinks") is None and not getattr(layer, "logit_cap", 0), "layer",
+             "attention sinks and logit capping are not supported by this backend")  # fmt: skip
+        if save_kv_cache and k is not None:
+            self._save(layer, forward_batch.out_cache_loc, k, v, k_rope)
+        h, d_v = layer.tp_q_head_num, layer.v_head_dim
+        q = q.reshape(q.shape[0], h, -1)
+        if q_rope is not None:
+            q = torch.cat([q, q_rope.reshape(q.shape[0], h, -1)], dim=-1)
+        meta = self.forward_metadata
+        need(meta is not None, "forward_batch", "no forward metadata: init_forward_metadata was not called")
+        b = meta.seqlens.shape[0]
+        need(q.shape[0] % b == 0, "q", f"{q.shape[0]} tokens do not split into {b} requests")
+        q = q.view(b, q.shape[0] // b, h, q.shape[-1])  # [b, t, h, d]
+        kv = self._layer_cache(layer, q.shape[-1])
+        if meta.plan is None:
+            meta.plan = self._plan(q, kv, meta, layer)
+        out, _ = meta.plan.run(q, kv)  # [b, t, h, d_v]
+        return out.reshape(b * q.shape[1], h * d_v)
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _delegate(self, hook: str, *args, **kwargs):
+        need(
+            self.fallback is not None,
+            "fallback",
+            f"no fallback backend for a forward that {NAME} does not serve",
+        )
+        return getattr(self.fallback, hook)(*args, **kwargs)
+
+    def _metadata(self, forward_batch, kind: str, graph: dict | None) -> ForwardMetadata:
+        """Lengths with the new tokens, the block table from req_to_token, and the tree (verify only)."""
+        seq_lens = forward_batch.seq_lens
+        bs = seq_lens.shape[0]
+        t = verify_width(forward_batch.spec_info) if kind == VERIFY else 0
+        bound = None if graph is not None else host_bound(forward_batch, t)
+        seqlens = (seq_lens + t).to(torch.int32)
+        table = self._block_table(forward_batch.req_pool_indices, bound)
+        if graph is not None:
+            seqlens, table = _into(graph["seqlens"], seqlens), _into(graph["block_table"], table)
+        meta = ForwardMetadata(kind, seqlens, table, max_seqlen=bound)
+        if kind == VERIFY:
+            vis = tree_visibility(forward_batch.spec_info, bs, t, self.device)
+            if t <= MAX_BITS and self.config.impl != "ref":  # the reference plan copies bits at plan time
+                bits = visibility_to_bits(vis)
+                meta.bits = bits if graph is None else _into(graph["bits"], bits)
+            else:
+                meta.visibility = vis if graph is None else _into(graph["visibility"], vis)
+        return meta
+
+    def _block_table(self, req_pool_indices: torch.Tensor, max_len: int | None) -> torch.Tensor:
+        """[bs, pages] int32: page p of request r is req_to_token[r, p * page] // page (page-aligned
+        rows, as SGLang's paged allocator hands them out); page size 1 is the rows themselves."""
+        rows = self.req_to_token[req_pool_indices.long()]
+        if max_len is not None:
+            rows = rows[:, : -(-max_len // self.page_size) * self.page_size]
+        if self.page_size == 1:
+            return rows.to(torch.int32)
+        return (rows[:, :: self.page_size] // self.page_size).to(torch.int32)
+
+    def _layer_cache(self, layer, d: int) -> torch.Tensor:
+        """The layer's pool buffer [slots, 1, d] seen as pages [slots / page, page, d] (no copy)."""
+        kv = self.pool.get_key_buffer(layer.layer_id)
+        need(kv.shape[-1] == d, "layer", f"query head dim {d} differs from the KV pool's {kv.shape[-1]}")
+        slots = kv.shape[0] * (kv.shape[1] if kv.dim() == 3 else 1)
+        need(
+            slots % self.page_size == 0, "page_size", f"pool of {slots} slots is not a whole number of pages"
+        )
+        return kv.view(slots // self.page_size, self.page_size, d)
+
+    def _plan(self, q: torch.Tensor, kv: torch.Tensor, meta: ForwardMetadata, layer) -> AttentionPlan:
+        """The forward's one plan (see the module docstring)."""
+        return plan_attention(
+            q, kv, meta.seqlens, softmax_scale=float(layer.scaling), d_v=int(layer.v_head_dim),
+            visibility=meta.visibility, ancestor_bits=meta.bits, block_table=meta.block_table,
+            impl=self.config.impl, max_seqlen=meta.max_seqlen, validate=self.config.validate,
+        )  # fmt: skip
+
+    def _save(self, layer, loc, k, v, k_rope) -> None:
+        """The new tokens' rows of the layer's cache, through the pool's own writers."""
+        if k_rope is not None:
+            self.pool.set_mla_kv_buffer(layer, loc, k, k_rope)
+        else:
+            self.pool.set_kv_buffer(layer, loc, k, v)
+
+
+def forward_kind(forward_batch) -> str | None:
+    """DECODE, VERIFY or DRAFT_EXTEND when this backend serves the forward, else None (the fallback's)."""
+    mode = forward_batch.forward_mode
+    if mode.is_idle():
+        return None
+    if mode.is_target_verify():
+        return VERIFY
+    if _is(mode, "is_draft_extend_v2"):
+        return DRAFT_EXTEND
+    if mode.is_decode() and getattr(forward_batch.spec_info, "kv_indptr", None) is None:
+        return DECODE
+    return None
+
+
+def verify_width(spec_info) -> int:
+    """Tree nodes per request of a verify input (DDTree: its draft_token_num)."""
+    need(spec_info is not None, "spec_info", "target verify without a verify input")
+    return int(spec_info.draft_token_num)
+
+
+def tree_visibility(spec_info, bs: int, t: int, device) -> torch.Tensor:
+    """[bs, t, t] bool from the verify input's visibility; requests past its batch (padding of a
+    replayed graph) see only themselves."""
+    vis = getattr(spec_info, "visibility", None)
+    need(vis is not None, "spec_info.visibility", "the verify input carries no tree (did install() run?)")
+    need(vis.dim() == 3 and vis.shape[1] >= t and vis.shape[2] >= t, "spec_info.visibility",
+         f"expected [bs, >= {t}, >= {t}], got {tuple(vis.shape)}")  # fmt: skip
+    vis = vis[:bs, :t, :t].to(device=device, dtype=torch.bool)
+    if vis.shape[0] == bs:
+        return vis
+    pad = torch.eye(t, dtype=torch.bool, device=device).expand(bs - vis.shape[0], t, t)
+    return torch.cat([vis, pad])
+
+
+def visibility_to_bits(vis: torch.Tensor) -> torch.Tensor:
+    """[b, t, t] bool -> [b, t] int64, bit j of row i = vis[i, j] (t <= 64; bit 63 is the sign bit)."""
+    t = vis.shape[-1]
+    weights = torch.ones(t, dtype=torch.int64, device=vis.device) << torch.arange(t, device=vis.device)
+    return (vis.long() * weights).sum(-1)
+
+
+def host_bound(forward_batch, t: int) -> int | None:
+    """max(seq_lens) + t from the batch's host mirror, without a sync; None when it has none."""
+    cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    if cpu is None or len(cpu) == 0:
+        return None
+    return int(max(cpu)) + t
+
+
+def _is(mode, name: str) -> bool:
+    check = getattr(mode, name, None)
+    return bool(check()) if callable(check) else False
+
+
+def _into(buffer: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """value copied into the head of a static buffer (the same address every forward); returns that
+    view. A 2-D buffer (the block table) takes value's rows; a 1-D one its elements."""
+    if buffer.dim() == 2:
+        need(value.shape[0] <= buffer.shape[0] and value.shape[1] == buffer.shape[1], "init_cuda_graph_state",
+             f"graph buffer {tuple(buffer.shape)} does not take {tuple(value.shape)}")  # fmt: skip
+        view = buffer[: value.shape[0]]
+    else:
+        need(value.numel() <= buffer.numel(), "init_cuda_graph_state",
+             f"graph buffer of {buffer.numel()} too small for {tuple(value.shape)}")  # fmt: skip
+        view = buffer[: value.numel()].view(value.shape)
+    view.copy_(value)
+    return view
+
+
+# ---- binding to the port ---------------------------------------------------------------------------
+def bind(base: type) -> type:
+    """Our backend as a subclass of the port's AttentionBackend (ValueError naming a missing or changed
+    hook)."""
+    check_params(base, HOOKS, f"{base.__module__}.{base.__name__}")
+    return type("TreeMLAAttnBackend", (TreeMLABackend, base), {"__module__": __name__})
+
+
+def make_factory(cls: type, backends: dict, config: BackendConfig | None = None):
+    """SGLang's backend factory: (model_runner) -> our backend over the fallback from `backends`."""
+
+    def create_kdtree_mla_backend(runner):
+        cfg = config or BackendConfig.from_env()
+        need(getattr(runner, "use_mla_backend", True), "attention_backend", f"{NAME} serves MLA models only")
+        need(cfg.fallback in backends, "fallback", f"{cfg.fallback!r} is not a registered SGLang backend")
+        return cls(runner, fallback=backends[cfg.fallback](runner), config=cfg)
+
+    return create_kdtree_mla_backend
+
+
+def capability_with_ours(original, cls: type):
+    """The port's resolve_ddtree_target_backend_capability, extended: our backend takes the full tree as
+    visibility (no packed mask). Any other backend: the port's answer."""
+    ours = f"{cls.__module__}.{cls.__name__}"
+
+    def resolve_ddtree_target_backend_capability(attn_backend, speculative_attention_mode: str = "prefill"):
+        found = original(attn_backend, speculative_attention_mode)
+        if found.backend_name != ours:
+            return found
+        return dataclasses.replace(found, build_attention_mask=False, use_visibility=True,
+                                   supports_full_tree=True, unsupported_reason="")  # fmt: skip
+
+    resolve_ddtree_target_backend_capability.original = original
+    return resolve_ddtree_target_backend_capability
+
+
+REGISTRY = "sglang.srt.layers.attention.attention_registry"
+BASE = "sglang.srt.layers.attention.base_attn_backend"
+SERVER_ARGS = "sglang.srt.server_args"
+CAPABILITY = "resolve_ddtree_target_backend_capability"
+CAPABILITY_FIELDS = ("backend_name", "build_attention_mask", "use_visibility", "supports_full_tree")
+
+
+def install(utils, config: BackendConfig | None = None) -> tuple[list[str], dict]:
+    """Registers the backend as NAME with the port (and as a choice of --attention-backend) and wraps
+    the port's capability check in `utils` (its ddtree_utils module). Returns the dotted names it
+    changed and {original: replacement} of the capability check, for rebinding imported names.
+    ValueError naming whatever the port lacks."""
+    registry, base = _import(REGISTRY), _import(BASE)
+    for name in ("register_attention_backend", "ATTENTION_BACKENDS"):
+        need(hasattr(registry, name), f"{REGISTRY}.{name}", "missing (not the port this was checked against)")
+    need(hasattr(base, "AttentionBackend"), f"{BASE}.AttentionBackend", "missing")
+    original = getattr(utils, CAPABILITY, None)
+    need(callable(original), f"{utils.__name__}.{CAPABILITY}", "missing")
+    check_params(utils, {CAPABILITY: ["attn_backend", "speculative_attention_mode"]}, utils.__name__)
+    fields = getattr(getattr(utils, "DDTreeTargetBackendCapability", None), "__dataclass_fields__", {})
+    missing = [f for f in CAPABILITY_FIELDS if f not in fields]
+    need(not missing, f"{utils.__name__}.DDTreeTargetBackendCapability", f"lacks the fields {missing}")
+    if getattr(original, "__module__", "") == __name__:  # installed already
+        return [], {}
+    cls = bind(base.AttentionBackend)
+    registry.register_attention_backend(NAME)(make_factory(cls, registry.ATTENTION_BACKENDS, config))
+    changed = [f"{REGISTRY}.ATTENTION_BACKENDS[{NAME!r}]"] + _add_choice()
+    wrapped = capability_with_ours(original, cls)
+    setattr(utils, CAPABILITY, wrapped)
+    return changed + [f"{utils.__name__}.{CAPABILITY}"], {CAPABILITY: (original, wrapped)}
+
+
+def _add_choice() -> list[str]:
+    """NAME among --attention-backend's choices (SGLang loads plug-ins before it parses arguments)."""
+    server_args = _import(SERVER_ARGS)
+    add = getattr(server_args, "add_attention_backend_choices", None)
+    need(callable(add), f"{SERVER_ARGS}.add_attention_backend_choices", "missing")
+    if NAME not in getattr(server_args, "ATTENTION_BACKEND_CHOICES", []):
+        add([NAME])
+    return [f"{SERVER_ARGS}.ATTENTION_BACKEND_CHOICES"]
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ValueError(f"{name}: cannot import it from the SGLang DDTree port: {exc}") from exc
