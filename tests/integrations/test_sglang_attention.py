@@ -402,6 +402,7 @@ def test_a_captured_plan_reads_the_refilled_graph_buffers(impl):
     be.forward(q0.reshape(q0.shape[0], -1), k0, k0[..., : cache.dims.d_v], layer(cache.dims, 0), capture)
     captured = be.forward_metadata.plan
     assert captured is not None and captured.problem.seqlens.data_ptr() == be.graph["seqlens"].data_ptr()
+    assert be.forward_metadata.graph and be.forward_metadata.max_seqlen is None  # no bound from the capture
 
     fb, vis = verify_batch(cache, [t, 2, 4], gen)
     view = SimpleNamespace(

@@ -89,6 +89,7 @@ class ForwardMetadata:
     bits: torch.Tensor | None = None
     visibility: torch.Tensor | None = None
     max_seqlen: int | None = None
+    graph: bool = False  # in the static graph buffers: planned without reading their values
     plan: AttentionPlan | None = None
 
 
@@ -212,7 +213,7 @@ class TreeMLABackend:
         table = self._block_table(forward_batch.req_pool_indices, bound)
         if graph is not None:
             seqlens, table = _into(graph["seqlens"], seqlens), _into(graph["block_table"], table)
-        meta = ForwardMetadata(kind, seqlens, table, max_seqlen=bound)
+        meta = ForwardMetadata(kind, seqlens, table, max_seqlen=bound, graph=graph is not None)
         if kind == VERIFY:
             vis = tree_visibility(forward_batch.spec_info, bs, t, self.device)
             if t <= MAX_BITS and self.config.impl != "ref":  # the reference plan copies bits at plan time
@@ -247,7 +248,8 @@ class TreeMLABackend:
         return plan_attention(
             q, kv, meta.seqlens, softmax_scale=float(layer.scaling), d_v=int(layer.v_head_dim),
             visibility=meta.visibility, ancestor_bits=meta.bits, block_table=meta.block_table,
-            impl=self.config.impl, max_seqlen=meta.max_seqlen, validate=self.config.validate,
+            impl=self.config.impl, max_seqlen=meta.max_seqlen,
+            validate=self.config.validate and not meta.graph,
         )  # fmt: skip
 
     def _save(self, layer, loc, k, v, k_rope) -> None:
