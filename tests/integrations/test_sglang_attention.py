@@ -13,15 +13,22 @@ tree holding its real files. The stand-ins below are written from the port's int
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
 
-from kdtree_engine.integrations.sglang import attention
+from kdtree_engine.integrations.sglang import attention, plugin
 from kdtree_engine.integrations.sglang.attention import BackendConfig, bind, capability_with_ours
+
+from .port import ENV
 
 
 class Mode:
@@ -514,3 +521,271 @@ def test_the_capability_check_hands_our_backend_the_tree():
     got = check(ours, speculative_attention_mode="prefill")
     assert (got.use_visibility, got.build_attention_mask, got.supports_full_tree) == (True, False, True)
     assert check(Recorder()) == refusing(Recorder())
+
+
+# ---- against the port's own code ----------------------------------------------------------------------
+BASE_FILE = Path("python/sglang/srt/layers/attention/base_attn_backend.py")
+
+
+def port_file(path: Path) -> Path:
+    """A file of the port's checkout (KDTREE_SGLANG_DDTREE); skips when unset or when the checkout is the
+    two files scripts/fetch_peers.sh extracts."""
+    from .port import port_dir
+
+    found = port_dir() / path
+    if not found.exists():
+        pytest.skip(f"{found} is not in the checkout (a full checkout of the port is needed)")
+    return found
+
+
+def stub(name: str, **members) -> ModuleType:
+    module = ModuleType(name)
+    vars(module).update(members)
+    return module
+
+
+def base_stubs() -> dict:
+    """What the port's base_attn_backend.py imports from SGLang: a logging decorator and is_npu."""
+    return {
+        "sglang.kernel_api_logging": stub("sglang.kernel_api_logging", debug_kernel_api=lambda fn: fn),
+        "sglang.srt.utils.common": stub("sglang.srt.utils.common", is_npu=lambda: False),
+    }
+
+
+def port_base() -> type:
+    """The port's AttentionBackend, from its file."""
+    from kdtree_engine.bench.peers import _exec_file
+
+    return _exec_file(port_file(BASE_FILE), "_port_base_attn_backend", base_stubs(), False).AttentionBackend
+
+
+@pytest.mark.parametrize("mode", ["target_verify", "decode"])
+def test_on_the_ports_base_class_and_dispatch(mode):
+    """Bound to the port's AttentionBackend: its forward() dispatches verify (an extend mode) and decode
+    to ours, and the result equals the reference."""
+    base = port_base()
+    gen = torch.Generator().manual_seed(21)
+    new = 6 if mode == "target_verify" else 1
+    cache = Cache(Dims(), 16, [31, 2, 17], new, gen)
+    if mode == "target_verify":
+        fb, vis = verify_batch(cache, [6, 3, 1], gen)
+        mask = lambda r: tree_mask(int(fb.seq_lens[r]), vis[r])  # noqa: E731
+    else:
+        fb = batch(mode, cache, cache.prefixes + 1, None, None, cache.out_cache_loc(cache.prefixes))
+        mask = lambda r: causal_mask(int(cache.prefixes[r]), 1)  # noqa: E731
+    be = backend(cache, "triton", base=base)
+    assert isinstance(be, base)
+    be.init_forward_metadata(fb)
+    for layer_id, (q, out) in enumerate(run_layers(be, cache, fb, torch.float32)):
+        want = dense_reference(cache, layer_id, q, cache.prefixes, mask)
+        assert_close(f"{mode} layer {layer_id}", out, want, 1e-4)
+
+
+def test_the_ports_capability_check_hands_our_backend_the_tree():
+    from .port import port_utils
+
+    utils = port_utils()
+    gen = torch.Generator().manual_seed(2)
+    ours = backend(Cache(Dims(layers=1), 1, [4], 2, gen), "ref", base=port_base())
+    before = utils.resolve_ddtree_target_backend_capability(ours)
+    assert not before.supports_full_tree  # the port alone refuses it
+    check = capability_with_ours(utils.resolve_ddtree_target_backend_capability, type(ours))
+    got = check(ours, speculative_attention_mode="prefill")
+    assert (got.use_visibility, got.build_attention_mask, got.supports_full_tree) == (True, False, True)
+    assert isinstance(got, utils.DDTreeTargetBackendCapability) and got.backend_name == before.backend_name
+    assert check(Recorder()) == utils.resolve_ddtree_target_backend_capability(Recorder())
+
+
+def port_compile(utils, vis: torch.Tensor, sizes: list[int], prefixes: torch.Tensor, t: int, mask: bool):
+    """The port's CPU compile on these trees: (padded visibility in place, packed custom mask or None)."""
+    bs = len(sizes)
+    depths = vis[:, 1:, :].sum(-1) - 1  # a node's depth: its ancestors, root included, minus itself
+    _, _, custom, _ = utils._compile_ddtree_tree_torch(
+        root_token_ids=torch.zeros(bs, dtype=torch.long),
+        node_token_ids=torch.zeros(bs, t - 1, dtype=torch.long),
+        node_depths=depths.long(),
+        visibility=vis,
+        start_positions=prefixes,
+        past_lengths=prefixes,
+        tree_budget=t - 1,
+        actual_tree_sizes=torch.tensor(sizes),
+        device=torch.device("cpu"),
+        past_lens_cpu=prefixes.tolist(),
+        actual_sizes_cpu=sizes,
+        verify_token_num=t,
+        build_attention_mask=mask,
+    )
+    return vis, custom
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_equals_the_ports_packed_mask_on_the_ports_compiled_trees(impl):
+    """The port's compile pads short trees in the visibility that our backend reads; the packed
+    [t, prefix + t] mask it builds for its Triton / FlashInfer backends, read as they read it, is the
+    reference's mask: the same attention at every real node. (Padding rows differ between the port's
+    two forms, its mask hiding the prefix from them; the port's accept step never reads them.)"""
+    from .port import port_utils
+
+    utils = port_utils()
+    gen = torch.Generator().manual_seed(8)
+    t, sizes, prefixes = 9, [9, 4, 1], [40, 0, 13]
+    cache = Cache(Dims(), 1, prefixes, t, gen)
+    trees = torch.zeros(3, t, t, dtype=torch.bool)
+    for r, size in enumerate(sizes):
+        trees[r, :size, :size] = random_tree(size, size, gen)
+    vis, _ = port_compile(utils, trees.clone(), sizes, cache.prefixes, t, mask=False)
+    _, packed = port_compile(utils, trees.clone(), sizes, cache.prefixes, t, mask=True)
+    starts = torch.tensor([0] + [t * (p + t) for p in prefixes]).cumsum(0)
+    masks = [packed[starts[r] : starts[r + 1]].view(t, prefixes[r] + t) for r in range(3)]
+    spec = SimpleNamespace(draft_token_num=t, visibility=vis)
+    fb = batch("target_verify", cache, cache.prefixes, spec, None, cache.out_cache_loc(cache.prefixes))
+    be = backend(cache, impl, base=port_base())
+    be.init_forward_metadata(fb)
+    real = torch.cat([torch.arange(t) < size for size in sizes])  # padding rows: discarded by the port
+    for layer_id, (q, out) in enumerate(run_layers(be, cache, fb, torch.float32)):
+        want = dense_reference(cache, layer_id, q, cache.prefixes, lambda r: masks[r])
+        assert_close(f"layer {layer_id}", out[real], want[real], TOL[impl, torch.float32])
+
+
+# ---- install() on a stand-in SGLang tree --------------------------------------------------------------
+CAPABILITY = """
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DDTreeTargetBackendCapability:
+    backend_name: str
+    build_attention_mask: bool
+    use_visibility: bool
+    supports_full_tree: bool
+    unsupported_reason: str = ""
+
+
+def resolve_ddtree_target_backend_capability(attn_backend, speculative_attention_mode="prefill"):
+    cls = type(attn_backend)
+    return DDTreeTargetBackendCapability(f"{cls.__module__}.{cls.__name__}", False, False, False, "unknown")
+"""
+
+WORKER = """from sglang.srt.speculative.ddtree_utils import follow_verified_tree_gpu
+from sglang.srt.speculative.ddtree_utils import resolve_ddtree_target_backend_capability
+
+
+class DDTreeWorkerV2:
+    def _compute_draft_topk_log_probs_and_token_ids(self, hidden_states, lm_head, topk):
+        return 'port'
+"""
+
+REGISTRY = """ATTENTION_BACKENDS = {}
+
+
+def register_attention_backend(name):
+    def add(factory):
+        ATTENTION_BACKENDS[name] = factory
+        return factory
+
+    return add
+
+
+register_attention_backend("triton")(lambda runner: "triton fallback")
+"""
+
+SERVER_ARGS = """ATTENTION_BACKEND_CHOICES = ["triton", "fa3"]
+
+
+def add_attention_backend_choices(choices):
+    ATTENTION_BACKEND_CHOICES.extend(choices)
+"""
+
+PROBE = """
+import json
+from types import SimpleNamespace
+import torch
+from kdtree_engine.integrations.sglang import plugin
+try:
+    replaced = plugin.install()
+except ValueError as exc:
+    print(json.dumps({"error": str(exc)})); raise SystemExit(0)
+from sglang.srt import server_args
+from sglang.srt.layers.attention import attention_registry as registry, base_attn_backend as base
+from sglang.srt.speculative import ddtree_utils as utils, ddtree_worker_v2 as worker
+tokens = SimpleNamespace(req_to_token=torch.zeros(2, 8, dtype=torch.int32))
+runner = SimpleNamespace(req_to_token_pool=tokens, token_to_kv_pool=None, page_size=1, use_mla_backend=True)
+ours = registry.ATTENTION_BACKENDS["kdtree_mla"](runner)
+cap = worker.resolve_ddtree_target_backend_capability(ours, speculative_attention_mode="prefill")
+bound = worker.resolve_ddtree_target_backend_capability is utils.resolve_ddtree_target_backend_capability
+print(json.dumps({"replaced": replaced, "again": plugin.install(), "bound": bound,
+                  "choices": server_args.ATTENTION_BACKEND_CHOICES,
+                  "is_base": isinstance(ours, base.AttentionBackend), "fallback": ours.fallback,
+                  "cap": [cap.use_visibility, cap.build_attention_mask, cap.supports_full_tree]}))
+"""
+
+
+def base_source(skip: str = "") -> str:
+    """The stand-in AttentionBackend's source (the Base class above), without the hook `skip`."""
+    import inspect
+
+    source = inspect.getsource(Base).replace("class Base:", "class AttentionBackend:")
+    if skip:
+        source = source.replace(f"def {skip}(", f"def {skip}_renamed(")
+    return source
+
+
+def make_tree(root: Path, skip_hook: str = "") -> Path:
+    """sglang/srt/{speculative,layers/attention} and server_args: the port's real ddtree_utils.py and
+    base_attn_backend.py (its two SGLang imports stubbed) when KDTREE_SGLANG_DDTREE names a full
+    checkout, else stand-ins."""
+    from .test_sglang_plugin import stand_in_utils
+
+    port = os.environ.get(ENV)
+    files = {
+        "sglang/srt/speculative/ddtree_worker_v2.py": WORKER,
+        "sglang/srt/layers/attention/attention_registry.py": REGISTRY,
+        "sglang/srt/server_args.py": SERVER_ARGS,
+        "sglang/kernel_api_logging.py": "def debug_kernel_api(fn):\n    return fn\n",
+        "sglang/srt/utils/common.py": "def is_npu():\n    return False\n",
+    }
+    real_base = Path(port or "/nonexistent") / BASE_FILE
+    if port and real_base.exists() and not skip_hook:
+        files["sglang/srt/layers/attention/base_attn_backend.py"] = real_base.read_text()
+    else:
+        files["sglang/srt/layers/attention/base_attn_backend.py"] = base_source(skip_hook)
+    utils = Path(port or "/nonexistent") / "python/sglang/srt/speculative/ddtree_utils.py"
+    files["sglang/srt/speculative/ddtree_utils.py"] = (
+        utils.read_text() if port and utils.exists() else stand_in_utils() + CAPABILITY
+    )
+    for rel, text in files.items():
+        for parent in reversed(Path(rel).parents[:-1]):  # sglang, sglang/srt, ...: packages
+            (root / parent).mkdir(exist_ok=True)
+            (root / parent / "__init__.py").touch()
+        (root / rel).write_text(text)
+    return root
+
+
+def probe(root: Path) -> dict:
+    src = Path(__file__).parents[2] / "src"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(src)]))
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_install_registers_the_backend_and_hands_it_the_tree(tmp_path):
+    got = probe(make_tree(tmp_path))
+    assert "error" not in got, got
+    assert (
+        f"sglang.srt.layers.attention.attention_registry.ATTENTION_BACKENDS['{attention.NAME}']"
+        in got["replaced"]
+    )
+    assert (
+        "sglang.srt.speculative.ddtree_worker_v2.resolve_ddtree_target_backend_capability" in got["replaced"]
+    )
+    assert got["choices"].count(attention.NAME) == 1
+    assert not [name for name in got["again"] if "attention" in name or "capability" in name]  # once only
+    assert got["is_base"] and got["fallback"] == "triton fallback" and got["bound"]
+    assert got["cap"] == [True, False, True]
+
+
+def test_install_names_a_missing_hook(tmp_path):
+    got = probe(make_tree(tmp_path, skip_hook="init_forward_metadata_in_graph"))
+    assert "init_forward_metadata_in_graph is missing" in got["error"]
+    assert plugin.PORT_CHECKED in got["error"]
