@@ -155,18 +155,19 @@ def test_stream_keys_draw_the_same_tokens_as_seed_and_offset():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_runner_replays_later_calls_from_their_first_round_cuda(temperature):
-    """A Runner's later calls replay the captured rounds (the first draft eager) and, from the third,
-    the prefill captured by the second (prompts padded to prompt_len), and give a fresh generate()'s
-    tokens: greedy and sampled (the draw counter of the captured accept reset per call)."""
+    """A Runner's later calls replay the captured rounds (no capture, the first draft eager) and give a
+    fresh generate()'s tokens: greedy and sampled (the key table and draw counter of the captured
+    accept are reset per call)."""
     from kdtree_engine.engine import Runner
 
     target, drafter = _models(torch.float32, seed=3)
     sampling = SamplingParams(temperature=temperature)
     config = GenerationConfig(max_new_tokens=40, budget=16, seed=11, sampling=sampling)
     runner = Runner(target, drafter, config, batch_size=3, prompt_len=20)
-    for seed, lengths in [(1, [20, 4, 9]), (2, [5, 17, 1]), (3, [8, 8, 8]), (4, [3, 20, 11])]:
+    for seed, lengths in [(1, [20, 4, 9]), (2, [5, 17, 1]), (3, [8, 8, 8])]:
         prompts = random_prompts(seed, lengths, target.config.vocab_size)
         got = runner.generate(prompts)
-        assert got.tokens == generate(target, drafter, prompts, config).tokens, seed
+        assert got.tokens == generate(target, drafter, prompts, config).tokens
         assert got.stats.cuda_graphs
-        assert (got.stats.capture_time == 0.0) == (seed > 2), seed
+        if seed > 1:
+            assert got.stats.capture_time == 0.0

@@ -187,71 +187,22 @@ def _reset_cache(cache) -> None:
         seqlens.zero_()
 
 
-def _prefill_forward(run: _Run, cache, ids: torch.Tensor, lens: torch.Tensor, validate: bool = True):
-    """The target forward of padded prompts (the drafter's target layers captured) and the first token
-    of each request, chosen from its last real row: (bonus [B], the prompts' features or None)."""
-    out = run.target(ids, cache, lengths=lens, capture_layers=run.capture, impl=run.impl,
-                     logits_rows=lens - 1, validate=validate)  # fmt: skip
-    return _pick(run, out.logits[:, 0]), out.hidden
-
-
-class _PrefillGraph:
-    """The prefill of a Runner's later calls, captured once (CUDA): the caches emptied, the target
-    forward of the prompts padded to the Runner's prompt_len and the first token's choice, replayed on
-    the prompts and lengths the host copies in. Padding rows land past each request's length and are
-    overwritten by its first round (as the padding of a shorter longest prompt)."""
-
-    def __init__(self, run: _Run, state: _State, batch: int, prompt_len: int) -> None:
-        dev = state.start.device
-        self.ids = torch.zeros(batch, prompt_len, dtype=torch.int64, device=dev)
-        self.lens = torch.ones(batch, dtype=torch.int64, device=dev)
-        draws = run.draws
-        stream = torch.cuda.Stream(dev)  # one eager run at this shape first: compiles, sizes workspaces
-        stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            self._body(run, state)
-        torch.cuda.current_stream(dev).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.bonus, self.hidden = self._body(run, state)
-        run.draws = draws  # the captures' picks drew nothing
-
-    def _body(self, run: _Run, state: _State):
-        _reset_cache(state.cache)
-        if state.dcache is not None:
-            _reset_cache(state.dcache)
-        return _prefill_forward(run, state.cache, self.ids, self.lens, validate=False)
-
-    def run(self, run: _Run, prompts: list[list[int]]):
-        """Replays the prefill on `prompts`: (bonus [B], the prompts' features, lengths [B])."""
-        ids, lens = pad_prompts(prompts, self.ids.device)
-        self.ids.zero_()
-        self.ids[:, : ids.shape[1]].copy_(ids)
-        self.lens.copy_(lens)
-        self.graph.replay()
-        run.draws += 1  # the pick's draw, as an eager prefill
-        return self.bonus, self.hidden, lens
-
-
-def _prefill(
-    run: _Run, prompts: list[list[int]], state: _State | None = None, graph: _PrefillGraph | None = None
-) -> _State:
+def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None) -> _State:
     """Prefill of the ragged prompts, padded to the longest, capturing the drafter's target layers;
     commits each request's first token, chosen from its last real row. `state`: the state of an earlier
-    call of the same shape (a Runner's), reset and written in place; None: a new one. `graph`: that
-    Runner's captured prefill, replayed instead."""
+    call of the same shape (a Runner's), reset and written in place; None: a new one."""
     b = len(prompts)
     cache = state.cache if state is not None else run.target.new_cache(b, run.max_len)
+    if state is not None:
+        _reset_cache(cache)
+        if state.dcache is not None:
+            _reset_cache(state.dcache)
     with run.timer.stage("prefill"):
-        if graph is not None:
-            bonus, hidden, lens = graph.run(run, prompts)
-        else:
-            if state is not None:
-                _reset_cache(cache)
-                if state.dcache is not None:
-                    _reset_cache(state.dcache)
-            ids, lens = pad_prompts(prompts, cache.seqlens.device)
-            bonus, hidden = _prefill_forward(run, cache, ids, lens)
+        ids, lens = pad_prompts(prompts, cache.seqlens.device)
+        out = run.target(
+            ids, cache, lengths=lens, capture_layers=run.capture, impl=run.impl, logits_rows=lens - 1
+        )
+        bonus = _pick(run, out.logits[:, 0])  # [B]
     run.stats.target_forwards += 1
     for r, t in enumerate(bonus.tolist()):
         run.reqs.commit(r, [t])
@@ -265,7 +216,7 @@ def _prefill(
         state.bonus.copy_(bonus)
         state.active.copy_(active)
         state.ctx_lens.copy_(lens)
-    state.prompt_ctx = hidden
+    state.prompt_ctx = out.hidden
     return state
 
 
@@ -598,12 +549,11 @@ class Runner:
 
     batch_size: requests per call (every call passes exactly that many prompts); prompt_len: the
     longest prompt a call may pass (in tokens). Sizes and memory are checked here for that capacity. The
-    first call runs one eager round and captures the stages (generate() does this for every call); the
-    second captures the prefill (prompts padded to prompt_len); later calls replay the prefill and their
-    rounds from the first, whose draft, reading the prompts' features, runs eagerly. A call's tokens and
-    stats do not depend on what ran before it (sampled draws are keyed by its config.seed). The graphs
-    hold the weights' addresses: build a new Runner after moving or reallocating the target's or the
-    drafter's parameters.
+    first call runs one eager round and captures the stages (generate() does this for every call);
+    later calls replay from their first round, whose draft, reading the prompts' features, runs
+    eagerly. A call's tokens and stats do not depend on what ran before it (sampled draws are keyed by
+    its config.seed). The graphs hold the weights' addresses: build a new Runner after moving or
+    reallocating the target's or the drafter's parameters.
     """
 
     def __init__(
@@ -623,7 +573,6 @@ class Runner:
         checks.check_memory(self.device, self.sizes.needs)
         self._state: _State | None = None
         self._rounds: _Rounds | None = None
-        self._prefill_graph: _PrefillGraph | None = None
 
     def _sizes(self, lengths: list[int]):
         cfg, drafter = self.target.config, _drafter_config(self.drafter)
@@ -662,11 +611,7 @@ class Runner:
         _use_graphs(run, self.device)  # a ValueError now rather than after the prefill
         t0 = timer.now()
         with torch.inference_mode():
-            if self._prefill_graph is None and self._rounds is not None and self._rounds.graphs is not None:
-                t1 = timer.now()
-                self._prefill_graph = _PrefillGraph(run, self._state, self.batch_size, self.prompt_len)
-                stats.capture_time += timer.now() - t1
-            self._state = _prefill(run, prompts, self._state, self._prefill_graph)
+            self._state = _prefill(run, prompts, self._state)
             timer.collect()
             self._rounds = _decode(run, self._state, self.device, self._rounds)
         stats.wall_time = timer.now() - t0
