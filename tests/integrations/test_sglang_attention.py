@@ -435,6 +435,23 @@ def test_a_captured_plan_reads_the_refilled_graph_buffers(impl):
         assert_close(f"replayed layer {layer_id}", got, want, TOL[impl, torch.float32])
 
 
+@pytest.mark.parametrize("form", ["cat", "split"])
+def test_a_layer_k_scale_divides_the_stored_rows(form):
+    gen = torch.Generator().manual_seed(6)
+    cache = Cache(Dims(layers=1), 1, [3], 2, gen)
+    be = backend(cache, "ref")
+    fb = batch("draft_extend_v2", cache, cache.prefixes + 2, None, None, cache.out_cache_loc(cache.prefixes))
+    be.init_forward_metadata(fb)
+    q, k, v = cache.inputs()[0]
+    lay = SimpleNamespace(**{**vars(layer(cache.dims, 0)), "k_scale": 2.0})
+    d_v = cache.dims.d_v
+    if form == "cat":
+        be.forward(q, k, v, lay, fb)
+    else:
+        be.forward(q[..., :d_v], k[..., :d_v], v, lay, fb, q_rope=q[..., d_v:], k_rope=k[..., d_v:])
+    assert torch.equal(cache.pool.kv_buffer[0][fb.out_cache_loc], k / 2)
+
+
 def test_other_forwards_go_to_the_fallback():
     gen = torch.Generator().manual_seed(0)
     cache = Cache(Dims(layers=1), 1, [4], 2, gen)
@@ -482,6 +499,21 @@ def test_bad_inputs_name_the_argument():
     bad("page_size", lambda: seven.forward(q, k, v, lay, fb, save_kv_cache=False))  # 1282 slots
     no_fallback = bind(Base)(cache.runner(), None)
     bad("fallback", lambda: no_fallback.init_forward_metadata(batch("extend", cache, fb.seq_lens)))
+
+
+def test_the_factory_builds_over_the_fallback_and_reads_the_environment(monkeypatch):
+    gen = torch.Generator().manual_seed(4)
+    runner = Cache(Dims(layers=1), 1, [2], 1, gen).runner()
+    monkeypatch.setenv(attention.ENV_IMPL, "ref")
+    monkeypatch.setenv(attention.ENV_FALLBACK, "flashinfer")
+    assert BackendConfig.from_env() == BackendConfig(impl="ref", fallback="flashinfer")
+    factory = attention.make_factory(bind(Base), {"flashinfer": lambda r: "fi", "triton": lambda r: "tr"})
+    made = factory(runner)
+    assert made.fallback == "fi" and made.config.impl == "ref"
+    monkeypatch.setenv(attention.ENV_FALLBACK, "fa9")
+    bad("fallback", lambda: factory(runner))
+    runner.use_mla_backend = False
+    bad("attention_backend", lambda: attention.make_factory(bind(Base), {"triton": None})(runner))
 
 
 class Renamed(Base):

@@ -136,15 +136,16 @@ class TreeMLABackend:
             self.forward_metadata.plan = None
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Static buffers for every captured batch size: lengths, block table, tree (bits and visibility)."""
+        """Static buffers for every captured batch size: lengths, block table, tree (bits and visibility;
+        bs * t <= max_num_tokens)."""
         width = max(1, max_num_tokens // max(max_bs, 1))
         pages = -(-self.req_to_token.shape[1] // self.page_size)
         dev = self.device
         self.graph = {
             "seqlens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(max_bs, pages, dtype=torch.int32, device=dev),
-            "bits": torch.zeros(max_bs * min(width, MAX_BITS), dtype=torch.int64, device=dev),
-            "visibility": torch.zeros(max_bs * width * width, dtype=torch.bool, device=dev),
+            "bits": torch.zeros(max_num_tokens, dtype=torch.int64, device=dev),
+            "visibility": torch.zeros(max_num_tokens * width, dtype=torch.bool, device=dev),
         }
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -253,7 +254,11 @@ class TreeMLABackend:
         )  # fmt: skip
 
     def _save(self, layer, loc, k, v, k_rope) -> None:
-        """The new tokens' rows of the layer's cache, through the pool's own writers."""
+        """The new tokens' rows of the layer's cache, through the pool's own writers (divided by the
+        layer's k_scale where it has one, as SGLang's Triton backend stores MLA rows)."""
+        scale = getattr(layer, "k_scale", None)
+        if scale is not None:
+            k, k_rope = k / scale, (None if k_rope is None else k_rope / scale)
         if k_rope is not None:
             self.pool.set_mla_kv_buffer(layer, loc, k, k_rope)
         else:
