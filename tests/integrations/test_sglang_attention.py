@@ -376,63 +376,98 @@ def test_both_call_forms_and_bf16(impl):
         assert torch.equal(a, b)
 
 
+def real_batch(mode: str, cache: Cache, gen):
+    """A batch of `mode` and its reference masks: (forward batch, starts, allowed)."""
+    if mode == "target_verify":
+        fb, vis = verify_batch(cache, [cache.new, 2, 4][: len(cache.prefixes)], gen)
+        return fb, fb.seq_lens, lambda r: tree_mask(int(fb.seq_lens[r]), vis[r])
+    fb = batch(mode, cache, cache.prefixes + cache.new, None, None, cache.out_cache_loc(cache.prefixes))
+    return fb, cache.prefixes, lambda r: causal_mask(int(cache.prefixes[r]), cache.new)
+
+
+def pad(x: torch.Tensor, size: int, value: int) -> torch.Tensor:
+    return torch.cat([x, torch.full((size - len(x), *x.shape[1:]), value, dtype=x.dtype)])
+
+
 @pytest.mark.parametrize("impl", ["ref", "triton"])
-def test_a_captured_plan_reads_the_refilled_graph_buffers(impl):
+@pytest.mark.parametrize("mode,t", [("target_verify", 5), ("decode", 1)])
+def test_a_captured_plan_reads_the_refilled_graph_buffers(impl, mode, t):
     """The CUDA-graph path without a GPU: metadata written into the static buffers at capture, the plan
     built by the captured forward's first layer; then a replay's metadata (a smaller batch, padded with
     the fill value, other prefixes and trees) written into the same buffers: the plan made at capture,
     run again as the replayed graph would, gives the new batch's attention."""
     gen = torch.Generator().manual_seed(3)
-    t, graph_bs = 5, 4
+    graph_bs, real_bs = 4, 3
     cache = Cache(Dims(), 16, [17, 40, 3], t, gen)
     be = backend(cache, impl)
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8 * t)
     fill = be.get_cuda_graph_seq_len_fill_value()
-    pad = lambda x, v: torch.cat([x, torch.full((graph_bs - len(x),), v, dtype=x.dtype)])  # noqa: E731
-    capture_spec = SimpleNamespace(
-        draft_token_num=t, visibility=torch.ones(graph_bs, t, t, dtype=torch.bool).tril()
-    )
+    tril = torch.ones(graph_bs, t, t, dtype=torch.bool).tril()
     capture = SimpleNamespace(
-        forward_mode=Mode("target_verify"),
+        forward_mode=Mode(mode),
         batch_size=graph_bs,
         seq_lens=torch.full((graph_bs,), fill),
         seq_lens_cpu=None,
         req_pool_indices=torch.zeros(graph_bs, dtype=torch.long),
-        out_cache_loc=torch.zeros(graph_bs * t, dtype=torch.long),
-        spec_info=capture_spec,
+        out_cache_loc=torch.zeros(graph_bs * t, dtype=torch.long),  # slot 0: the sink
+        spec_info=SimpleNamespace(draft_token_num=t, visibility=tril) if mode == "target_verify" else None,
     )
     be.init_forward_metadata_out_graph(capture, in_capture=True)
     be.init_forward_metadata_in_graph(capture)
-    q0, k0, v0 = cache.inputs()[0]
-    q0 = torch.cat([q0, torch.zeros((graph_bs - 3) * t, *q0.shape[1:])])
-    k0 = torch.cat([k0, torch.zeros((graph_bs - 3) * t, *k0.shape[1:])])
+    q0, k0, _ = cache.inputs()[0]
+    q0, k0 = pad(q0, graph_bs * t, 0), pad(k0, graph_bs * t, 0)
     be.forward(q0.reshape(q0.shape[0], -1), k0, k0[..., : cache.dims.d_v], layer(cache.dims, 0), capture)
     captured = be.forward_metadata.plan
     assert captured is not None and captured.problem.seqlens.data_ptr() == be.graph["seqlens"].data_ptr()
     assert be.forward_metadata.graph and be.forward_metadata.max_seqlen is None  # no bound from the capture
 
-    fb, vis = verify_batch(cache, [t, 2, 4], gen)
+    fb, starts, allowed = real_batch(mode, cache, gen)
     view = SimpleNamespace(
-        forward_mode=fb.forward_mode,
-        batch_size=graph_bs,
-        seq_lens=pad(fb.seq_lens, fill),
-        seq_lens_cpu=None,
-        req_pool_indices=pad(cache.req_pool_indices, 0),
-        out_cache_loc=fb.out_cache_loc,
-        spec_info=fb.spec_info,
+        **{
+            **vars(fb),
+            "batch_size": graph_bs,
+            "seq_lens": pad(fb.seq_lens, graph_bs, fill),
+            "req_pool_indices": pad(cache.req_pool_indices, graph_bs, 0),
+        }
     )
     be.init_forward_metadata_out_graph(view)
     for layer_id, (q, k, v) in enumerate(cache.inputs()):
         lay = layer(cache.dims, layer_id)
         cache.pool.set_kv_buffer(lay, fb.out_cache_loc, k, v)
-        qp = torch.cat([q, torch.zeros((graph_bs - 3) * t, *q.shape[1:])]).view(graph_bs, t, *q.shape[1:])
         kv = cache.pool.get_key_buffer(layer_id).view(-1, 16, cache.dims.d)
-        out, _ = captured.run(qp, kv)
-        got = out[:3].reshape(3 * t, -1)
-        want = dense_reference(
-            cache, layer_id, q, fb.seq_lens, lambda r: tree_mask(int(fb.seq_lens[r]), vis[r])
+        out, _ = captured.run(pad(q, graph_bs * t, 0).view(graph_bs, t, *q.shape[1:]), kv)
+        want = dense_reference(cache, layer_id, q, starts, allowed)
+        assert_close(
+            f"replayed layer {layer_id}",
+            out[:real_bs].reshape(real_bs * t, -1),
+            want,
+            TOL[impl, torch.float32],
         )
-        assert_close(f"replayed layer {layer_id}", got, want, TOL[impl, torch.float32])
+
+
+def test_one_plan_per_forward_and_none_from_host_values_under_graphs(monkeypatch):
+    """Every layer of a forward runs the plan its first layer made; a graph forward plans without
+    validation (a host read) and without a host bound on the lengths."""
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return plan(*args, **kwargs)
+
+    plan = attention.plan_attention
+    monkeypatch.setattr(attention, "plan_attention", recording)
+    gen = torch.Generator().manual_seed(9)
+    cache = Cache(Dims(layers=3), 1, [5, 9], 3, gen)
+    be = backend(cache, "triton")
+    fb, _ = verify_batch(cache, [3, 2], gen)
+    be.init_forward_metadata(fb)
+    run_layers(be, cache, fb, torch.float32)
+    assert len(calls) == 1 and calls[0]["validate"] and calls[0]["max_seqlen"] == 9 + 3 + 3
+    be.init_cuda_graph_state(max_bs=2, max_num_tokens=6)
+    be.init_forward_metadata_out_graph(fb, in_capture=True)
+    be.init_forward_metadata_in_graph(fb)
+    run_layers(be, cache, fb, torch.float32)
+    assert len(calls) == 2 and not calls[1]["validate"] and calls[1]["max_seqlen"] is None
 
 
 @pytest.mark.parametrize("form", ["cat", "split"])
