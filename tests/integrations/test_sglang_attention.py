@@ -541,7 +541,8 @@ def test_the_factory_builds_over_the_fallback_and_reads_the_environment(monkeypa
     runner = Cache(Dims(layers=1), 1, [2], 1, gen).runner()
     monkeypatch.setenv(attention.ENV_IMPL, "ref")
     monkeypatch.setenv(attention.ENV_FALLBACK, "flashinfer")
-    assert BackendConfig.from_env() == BackendConfig(impl="ref", fallback="flashinfer")
+    monkeypatch.setenv(attention.ENV_VALIDATE, "1")
+    assert BackendConfig.from_env() == BackendConfig(impl="ref", validate=True, fallback="flashinfer")
     factory = attention.make_factory(bind(Base), {"flashinfer": lambda r: "fi", "triton": lambda r: "tr"})
     made = factory(runner)
     assert made.fallback == "fi" and made.config.impl == "ref"

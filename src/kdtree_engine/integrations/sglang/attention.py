@@ -36,6 +36,7 @@ from kdtree_engine.integrations.sglang._checks import check_params, need
 NAME = "kdtree_mla"
 ENV_IMPL = "KDTREE_ENGINE_SGLANG_ATTENTION_IMPL"
 ENV_FALLBACK = "KDTREE_ENGINE_SGLANG_ATTENTION_FALLBACK"
+ENV_VALIDATE = "KDTREE_ENGINE_SGLANG_ATTENTION_VALIDATE"
 MAX_BITS = 64  # trees up to this many nodes reach the kernel as ancestor bits
 DECODE, VERIFY, DRAFT_EXTEND = "decode", "target_verify", "draft_extend"
 
@@ -72,8 +73,12 @@ class BackendConfig:
 
     @classmethod
     def from_env(cls) -> BackendConfig:
-        """KDTREE_ENGINE_SGLANG_ATTENTION_IMPL and _FALLBACK, where set."""
-        return cls(impl=os.environ.get(ENV_IMPL) or None, fallback=os.environ.get(ENV_FALLBACK) or "triton")
+        """KDTREE_ENGINE_SGLANG_ATTENTION_IMPL, _FALLBACK and _VALIDATE (=1), where set."""
+        return cls(
+            impl=os.environ.get(ENV_IMPL) or None,
+            validate=os.environ.get(ENV_VALIDATE) == "1",
+            fallback=os.environ.get(ENV_FALLBACK) or "triton",
+        )
 
 
 @dataclass
