@@ -31,7 +31,7 @@ from kdtree_engine.integrations.sglang.attention import BackendConfig, bind, cap
 from .port import ENV
 
 
-# ---- stand-ins for SGLang (here, not in a helper module: this file is the only one this test owns) ----
+# ---- stand-ins for the SGLang pieces the backend touches -------------------------------------------------
 class Mode:
     """ForwardMode's predicates for one mode name ("decode", "target_verify", "draft_extend_v2",
     "extend", "idle")."""
