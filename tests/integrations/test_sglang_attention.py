@@ -446,6 +446,63 @@ def test_a_captured_plan_reads_the_refilled_graph_buffers(impl, mode, t):
         )
 
 
+def drop_in_verify_input(lp: torch.Tensor, ids: torch.Tensor, budget: int, cache_prefixes: torch.Tensor):
+    """What the port's worker hands the target with our drop-in installed: our build into its buffers
+    (one request more than the batch), our compile without the packed mask (the capability answer for
+    our backend) at verify width = the largest tree; returns the verify input and the sizes."""
+    from kdtree_engine.integrations import sglang as drop_in
+
+    bs, n = lp.shape[0], budget + 1
+    bufs = {"_out_node_token_ids": torch.zeros(bs + 1, budget, dtype=torch.long),
+            "_out_node_depths": torch.zeros(bs + 1, budget, dtype=torch.long),
+            "_out_parents": torch.full((bs + 1, n), -1, dtype=torch.long),
+            "_out_visibility": torch.zeros(bs + 1, n, n, dtype=torch.bool),
+            "_out_actual_tree_sizes": torch.zeros(bs + 1, dtype=torch.long)}  # fmt: skip
+    heap = {f"_heap_{k}": torch.empty(bs + 1, 4) for k in ("scores", "parents", "depths", "ranks")}
+    tokens, depths, parents, _, vis, sizes, _ = drop_in.build_ddtree_tree_gpu(
+        draft_top_log_probs=lp, draft_top_token_ids=ids, tree_budget=budget, device=lp.device, **bufs, **heap
+    )
+    t = int(sizes.max())
+    drop_in.compile_ddtree_tree(
+        root_token_ids=torch.zeros(bs, dtype=torch.long), node_token_ids=tokens, node_depths=depths,
+        visibility=vis, start_positions=cache_prefixes, past_lengths=cache_prefixes, tree_budget=budget,
+        actual_tree_sizes=sizes, device=lp.device, past_lens_cpu=cache_prefixes.tolist(),
+        actual_sizes_cpu=sizes.tolist(), verify_token_num=t, build_attention_mask=False,
+    )  # fmt: skip
+    return SimpleNamespace(draft_token_num=t, visibility=vis[:, :t, :t], parents=parents[:, :t]), sizes
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_the_worker_path_with_our_drop_in_tree(impl):
+    """Trees built and compiled by our drop-in as the worker calls it (a masked draft token makes one
+    tree short, so its rows are padded), verified by the backend: each real node attends to the prefix,
+    the root and its ancestors (from the drop-in's parents), padding rows to the prefix and themselves."""
+    gen = torch.Generator().manual_seed(12)
+    budget, depth, vocab = 7, 4, 10
+    logits = torch.randn(3, depth, vocab, generator=gen)
+    logits[1, :, 1:] = float("-inf")  # request 1: one token per depth, a chain of depth + 1 nodes
+    lp, ids = logits.log_softmax(-1).topk(budget, dim=-1)
+    prefixes = [12, 3, 30]
+    spec, sizes = drop_in_verify_input(lp, ids, budget, torch.tensor(prefixes))
+    t = spec.draft_token_num
+    assert sizes.tolist()[1] < t  # padded
+    cache = Cache(Dims(), 1, prefixes, t, gen)
+    seq_lens = cache.prefixes.clone()
+    fb = batch("target_verify", cache, seq_lens, spec, seq_lens + t, cache.out_cache_loc(seq_lens))
+    be = backend(cache, impl)
+    be.init_forward_metadata(fb)
+
+    def ancestry(r: int) -> torch.Tensor:  # from parents alone, not from the visibility the backend read
+        vis = torch.eye(t, dtype=torch.bool)
+        for i in range(1, int(sizes[r])):
+            vis[i] |= vis[int(spec.parents[r, i])]
+        return tree_mask(int(seq_lens[r]), vis)
+
+    for layer_id, (q, out) in enumerate(run_layers(be, cache, fb, torch.float32)):
+        want = dense_reference(cache, layer_id, q, seq_lens, ancestry)
+        assert_close(f"layer {layer_id}", out, want, TOL[impl, torch.float32])
+
+
 def test_one_plan_per_forward_and_none_from_host_values_under_graphs(monkeypatch):
     """Every layer of a forward runs the plan its first layer made; a graph forward plans without
     validation (a host read) and without a host bound on the lengths."""
