@@ -176,6 +176,7 @@ class TreeMLABackend:
             return self._delegate("forward_extend", q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         return self._attend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
+    @torch.compiler.disable  # as SGLang's own backends wrap their kernels: planning is Python
     def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, q_rope=None, k_rope=None, **kwargs):
         """The model's absorbed-MLA call, in either of DeepSeek-V2's forms: q [n, h * d] or [n, h, d]
         with k [n, 1, d] (latent then rope) and v [n, 1, d_v]; or q [n, h, d_v] with q_rope [n, h, d_r],
