@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kdtree_engine.model.mla as mla
+import kdtree_engine.model.context as context
 from kdtree_engine.attention import AttentionPlan
 from kdtree_engine.model import LatentKVCache, greedy_generate, random_model, tiny_config
 from tests.model.hf_compare import hf_pair
@@ -61,7 +61,7 @@ def test_forward_rejects_bad_input(model) -> None:
 def test_every_forward_plans_its_attention_once(model, monkeypatch) -> None:
     """One attention plan per forward (validation, kernel choice, schedule), run by every layer."""
     plans, runs = [], []
-    real_plan, real_run = mla.plan_attention, AttentionPlan.run
+    real_plan, real_run = context.plan_attention, AttentionPlan.run
 
     def spy_plan(q, kv, seqlens, **kw):
         plans.append((tuple(q.shape), seqlens.tolist(), kw["visibility"].shape, kw["impl"]))
@@ -71,7 +71,7 @@ def test_every_forward_plans_its_attention_once(model, monkeypatch) -> None:
         runs.append(tuple(q.shape))
         return real_run(self, q, kv)
 
-    monkeypatch.setattr(mla, "plan_attention", spy_plan)
+    monkeypatch.setattr(context, "plan_attention", spy_plan)
     monkeypatch.setattr(AttentionPlan, "run", spy_run)
     cache = model.new_cache(1, 10)
     model(torch.tensor([[5, 6, 7]]), cache, impl="ref")

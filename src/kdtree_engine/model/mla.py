@@ -15,57 +15,15 @@ torch ops below, the specification.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kdtree_engine.attention import AttentionPlan, plan_attention
 from kdtree_engine.impl import capturing, resolve_impl
 from kdtree_engine.model.config import ModelConfig
+from kdtree_engine.model.context import ForwardContext
 from kdtree_engine.model.rope import apply_rope
 from kdtree_engine.packing import intact, pack_rows
-
-
-class ForwardAttention:
-    """One forward's attention, shared by every layer: the new tokens' lengths and mask, and the
-    attention plan, built at the first layer's call (validation, kernel choice, schedule) and reused
-    by the others.
-
-    start [b] int64 prefix lengths; t new tokens per request; visibility [b, t, t] bool among them."""
-
-    def __init__(
-        self,
-        c: ModelConfig,
-        start: torch.Tensor,
-        t: int,
-        visibility: torch.Tensor,
-        impl: str | None,
-        validate: bool = True,
-    ):
-        self.c, self.start, self.t, self.visibility, self.impl = c, start, t, visibility, impl
-        self.validate = validate  # False: no host reads (the Hopper schedule is computed on the device)
-        self.plan: AttentionPlan | None = None
-
-    @functools.cached_property
-    def rows(self) -> torch.Tensor:
-        """[b, 1] int64 request index, for the reference path's index_put (built on first use: the kernel
-        path writes the cache without it)."""
-        return torch.arange(self.start.shape[0], device=self.start.device)[:, None]
-
-    @functools.cached_property
-    def slots(self) -> torch.Tensor:
-        """[b, t] int64 cache rows written."""
-        return self.start[:, None] + torch.arange(self.t, device=self.start.device)
-
-    def __call__(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
-        """q [b, t, h, r + d_r], kv_layer [b, max_len, r + d_r] -> latent output [b, t, h, r]."""
-        if self.plan is None:
-            self.plan = plan_attention(q, kv_layer, self.start + self.t, softmax_scale=self.c.softmax_scale,
-                                       d_v=self.c.kv_lora_rank, visibility=self.visibility, impl=self.impl,
-                                       validate=self.validate)  # fmt: skip
-        return self.plan.run(q, kv_layer)[0]
 
 
 class RMSNorm(nn.Module):
@@ -180,22 +138,22 @@ class MLAttention(nn.Module):
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # [b, t, h, r]
         return torch.cat([q_lat, apply_rope(q_pe, cos, sin, c.rope_interleave, impl)], dim=-1)
 
-    def _kernels_apply(self, x: torch.Tensor, cos: torch.Tensor, impl: str | None) -> bool:
+    def _kernels_apply(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether the fused kernel path runs: a kernel impl, float32 / bf16 / fp16 activations, weights
         and cos / sin of one dtype, d_r / 2 a power of two."""
         half = self.c.qk_rope_head_dim // 2
         w = self.kv_a_layernorm.weight
-        return (x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.dtype == w.dtype == cos.dtype
-                and half & (half - 1) == 0 and resolve_impl(impl, x.device) == "triton")  # fmt: skip
+        return (ctx.kernels and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and x.dtype == w.dtype == ctx.cos.dtype and half & (half - 1) == 0)  # fmt: skip
 
-    def _write_latent(self, kv_a: torch.Tensor, cos, sin, kv_layer, attn: ForwardAttention) -> None:
+    def _write_latent(self, kv_a: torch.Tensor, kv_layer, ctx: ForwardContext) -> None:
         """The kernel path's cache write: norm + rope + row store of kv_a [b, t, r + d_r] in one launch."""
         from kdtree_engine.kernels.mla_latent import latent_write
 
-        norm = self.kv_a_layernorm
-        latent_write(kv_a, norm.weight, norm.eps, cos, sin, self.c.rope_interleave, kv_layer, attn.start)
+        norm, c = self.kv_a_layernorm, self.c
+        latent_write(kv_a, norm.weight, norm.eps, ctx.cos, ctx.sin, c.rope_interleave, kv_layer, ctx.start)
 
-    def _absorbed_query_into(self, q_a: torch.Tensor, cos, sin, dtype: torch.dtype, impl) -> torch.Tensor:
+    def _absorbed_query_into(self, q_a: torch.Tensor, cos, sin, dtype: torch.dtype) -> torch.Tensor:
         """The kernel path's absorbed query [b, t, h, r + d_r] in `dtype` from q_a (q_a_proj's output, or
         q_proj's without q_lora), written in place: W_UK's GEMM into the first r columns, the rope kernel
         into the last d_r."""
@@ -204,7 +162,7 @@ class MLAttention(nn.Module):
         c, (b, t, _) = self.c, q_a.shape
         h, r, d_nope = c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim
         if c.q_lora_rank is not None:
-            q_a = self.q_b_proj(self.q_a_layernorm(q_a, impl))
+            q_a = self.q_b_proj(self.q_a_layernorm(q_a, "triton"))
         q = q_a.view(b, t, h, c.qk_head_dim)
         out = torch.empty(b, t, h, r + c.qk_rope_head_dim, dtype=dtype, device=q.device)
         w_uk, _ = self._w_uk_uv()
@@ -213,25 +171,19 @@ class MLAttention(nn.Module):
         rope_kernel(q[..., d_nope:], cos, sin, c.rope_interleave, out=out[..., r:])
         return out
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_layer: torch.Tensor,
-        attn: ForwardAttention,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [b, t, hidden]; kv_layer [b, max_len, r + d_r] (written in place at start[b] + 0..t-1)
         -> [b, t, hidden]."""
         b, t, _ = x.shape
-        if self._kernels_apply(x, cos, attn.impl) and kv_layer.dtype == x.dtype:
+        cos, sin = ctx.cos, ctx.sin
+        if self._kernels_apply(x, ctx) and kv_layer.dtype == x.dtype:
             q_a, kv_a = self._a_proj(x)
-            self._write_latent(kv_a, cos, sin, kv_layer, attn)
-            q = self._absorbed_query_into(q_a, cos, sin, kv_layer.dtype, attn.impl)  # [b, t, h, r + d_r]
+            self._write_latent(kv_a, kv_layer, ctx)
+            q = self._absorbed_query_into(q_a, cos, sin, kv_layer.dtype)  # [b, t, h, r + d_r]
         else:
-            kv_layer[attn.rows, attn.slots] = self.latent_rows(x, cos, sin, attn.impl).to(kv_layer.dtype)
-            q = self.absorbed_query(x, cos, sin, attn.impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
-        out = attn(q, kv_layer)  # [b, t, h, r]
+            kv_layer[ctx.rows, ctx.slots] = self.latent_rows(x, cos, sin, ctx.op_impl).to(kv_layer.dtype)
+            q = self.absorbed_query(x, cos, sin, ctx.op_impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
+        out = ctx.attend(q, kv_layer)  # [b, t, h, r]
         _, w_uv = self._w_uk_uv()
         v = torch.einsum("bthr,hdr->bthd", out.to(x.dtype), w_uv)  # [b, t, h, d_v]
         return self.o_proj(v.reshape(b, t, -1))

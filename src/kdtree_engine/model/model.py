@@ -13,7 +13,8 @@ from kdtree_engine.impl import capturing
 from kdtree_engine.model import rope
 from kdtree_engine.model.cache import LatentKVCache
 from kdtree_engine.model.config import ModelConfig
-from kdtree_engine.model.mla import ForwardAttention, MLAttention, RMSNorm
+from kdtree_engine.model.context import ForwardContext
+from kdtree_engine.model.mla import MLAttention, RMSNorm
 from kdtree_engine.model.moe import MLP, MoE
 
 
@@ -34,13 +35,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, h, cos, sin, kv_layer, attn: ForwardAttention):
+    def forward(self, x, h, kv_layer, ctx: ForwardContext):
         """x [b, t, hidden] the residual stream, h = input_layernorm(x) -> (x + attention, the MLP's
         output not yet added): the model adds it with the next norm (one launch on the kernel path)."""
-        x, h = self.post_attention_layernorm.add_norm(
-            x, self.self_attn(h, cos, sin, kv_layer, attn), attn.impl
-        )
-        return x, self.mlp(h, attn.impl)
+        x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, kv_layer, ctx), ctx.op_impl)
+        return x, self.mlp(h, ctx.op_impl)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -129,13 +128,13 @@ class DeepseekV3ForCausalLM(nn.Module):
         visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
-        attn = ForwardAttention(self.config, start, t, visibility, impl, check_values)
+        ctx = ForwardContext(self.config, impl, start, t, visibility, cos, sin, check_values)
         captured, delta = {}, None
         for i, layer in enumerate(self.layers):
-            x, h = layer.input_layernorm.add_norm(x, delta, impl)  # x: layer i - 1's output
+            x, h = layer.input_layernorm.add_norm(x, delta, ctx.op_impl)  # x: layer i - 1's output
             captured[i - 1] = x
-            x, delta = layer(x, h, cos, sin, cache.kv[i], attn)
-        x, h = self.norm.add_norm(x, delta, impl)  # RMSNorm is per row: the same bits before or after
+            x, delta = layer(x, h, cache.kv[i], ctx)
+        x, h = self.norm.add_norm(x, delta, ctx.op_impl)  # RMSNorm is per row: the same bits before or after
         captured[len(self.layers) - 1] = x
         if logits_rows is not None:
             h = h[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]

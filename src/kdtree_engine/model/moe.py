@@ -25,7 +25,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
+        """impl: accepted for the model's uniform layer call; the three GEMMs and the SiLU are torch ops."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -84,7 +85,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
-    def forward(self, x, weights, ids, impl: str | None = None) -> torch.Tensor:
+    def forward(self, x, weights, ids, impl: str | None = "ref") -> torch.Tensor:
         """x [n, hidden], weights/ids [n, k] -> [n, hidden]: sum over k of weight * expert(x). "ref" runs
         a loop over the experts in use (as transformers, one host sync); "triton" the grouped kernels
         (no host sync, capturable)."""
@@ -113,7 +114,7 @@ class MoE(nn.Module):
             return None
         return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
-    def forward(self, x: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
         """x [b, t, hidden] -> [b, t, hidden]. "triton": six launches, the router's two, then the routed
         and shared experts in the four of kernels.moe (one rounding of their sum); "ref": the torch
         reference, routed then shared, each rounded to the model dtype."""
