@@ -1,0 +1,120 @@
+"""engine.budget: the draft path probabilities and bucket sums, the estimator (exact for a drafter whose
+distribution is the target's, checked against the engine's own sampled acceptance), its calibration,
+the cost table and the choice."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kdtree_engine.engine import SamplingParams, accept_tokens
+from kdtree_engine.engine.budget import (
+    AUTO_BUCKETS,
+    Calibration,
+    CostTable,
+    bucket_sums,
+    choose,
+    expected_tokens,
+    path_probabilities,
+)
+from kdtree_engine.tree import DraftTree, build_tree_from_logits, compile_tree
+
+
+def _tree(logits: torch.Tensor, budget: int):
+    tree = build_tree_from_logits(logits, budget, impl="ref")
+    b = logits.shape[0]
+    vin = compile_tree(tree, torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64), impl="ref")
+    return tree, vin
+
+
+def _brute_force(logits: torch.Tensor, tree) -> torch.Tensor:
+    """Each node's path probability, walking its parents on the host."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    b, n = tree.tokens.shape
+    out = torch.zeros(b, n, dtype=torch.float64)
+    for r in range(b):
+        for i in range(n):
+            node, p = i + 1, 1.0
+            if int(tree.tokens[r, i]) < 0:
+                continue
+            while node > 0:
+                p *= float(probs[r, int(tree.depths[r, node - 1]) - 1, int(tree.tokens[r, node - 1])])
+                node = int(tree.parents[r, node])
+            out[r, i] = p
+    return out
+
+
+@pytest.mark.parametrize("budget", [0, 1, 7, 30])
+def test_path_probabilities_are_the_products_along_the_ancestors(budget):
+    gen = torch.Generator().manual_seed(budget)
+    logits = torch.randn(3, 4, 9, generator=gen) * 2
+    logits[1] = logits[1].round()  # ties
+    logits[2, :, 5:] = float("-inf")  # masked tokens: fewer nodes than the budget
+    tree, vin = _tree(logits, budget)
+    got = path_probabilities(logits, tree.tokens, tree.depths, vin.visibility)
+    torch.testing.assert_close(got.double(), _brute_force(logits, tree), rtol=1e-5, atol=1e-7)
+    assert bool((got[:, 1:] <= got[:, :-1] + 1e-6).all())  # best-first: non-increasing
+
+
+def test_bucket_sums_take_the_first_nodes_and_stop_at_the_tree():
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.0], [0.9, 0.05, 0.0, 0.0]])
+    got = bucket_sums(probs, (0, 1, 2, 4, 64))
+    want = torch.tensor([[0.0, 0.5, 0.75, 0.875, 0.875], [0.0, 0.9, 0.95, 0.95, 0.95]])
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("budget", [0, 4, 8, 16])
+def test_estimator_is_exact_when_the_drafter_is_the_target(budget):
+    """A target whose next-token distribution depends on the depth only, drafted by itself: the mean
+    accepted length of the engine's sampled acceptance (4096 requests) is 1 + the sum of the tree's
+    path probabilities, within four standard errors."""
+    depth, vocab, b = 6, 5, 4096
+    gen = torch.Generator().manual_seed(11)
+    per_depth = torch.randn(depth, vocab, generator=gen) * 1.5  # [L, V]
+    one, vin = _tree(per_depth[None], budget)  # every request drafts the same: one tree, repeated
+    tree = DraftTree(*(t.expand(b, -1).contiguous() for t in (one.tokens, one.depths, one.parents)),
+                     one.num_nodes.expand(b).contiguous(), one.max_depth)  # fmt: skip
+    probs = path_probabilities(per_depth[None], one.tokens, one.depths, vin.visibility)
+    predicted = 1 + bucket_sums(probs, [budget])
+    # the target's logits at node i: its distribution at depth(i) + 1 (the root: depth 1)
+    node_depth = torch.cat([torch.zeros(b, 1, dtype=torch.int64), tree.depths.clamp(min=0)], dim=1)
+    target = per_depth[node_depth.clamp(max=depth - 1)]  # [B, N, V]
+    acc = accept_tokens(tree, target, SamplingParams(temperature=1.0), seed=3, offset=0, impl="ref")
+    observed = acc.accept_len.double()
+    sigma = observed.std().item() / math.sqrt(b)
+    assert abs(observed.mean().item() - predicted[0, 0].item()) <= 4 * sigma + 1e-9
+
+
+def test_calibration_is_accepted_over_predicted_per_bucket_and_borrows_the_nearest():
+    cal = Calibration(AUTO_BUCKETS)
+    assert cal.ratio(16) == 1.0  # nothing observed: a calibrated drafter
+    cal.observe(8, accepted=[2, 1], predicted=[3.0, 3.0])
+    cal.observe(8, accepted=[3], predicted=[2.0])
+    assert cal.ratio(8) == pytest.approx(6 / 8)
+    assert cal.ratio(4) == cal.ratio(32) == pytest.approx(6 / 8)  # the nearest tried bucket
+    cal.observe(32, accepted=[4], predicted=[8.0])
+    assert cal.ratio(16) == pytest.approx(6 / 8) and cal.ratio(64) == pytest.approx(0.5)
+
+
+def test_costs_are_medians_and_unmeasured_buckets_get_tried():
+    costs = CostTable(AUTO_BUCKETS)
+    assert costs.estimate(8) == 0.0  # nothing measured above: try it
+    for t in (3.0, 1.0, 2.0):
+        costs.observe(16, t)
+    assert costs.measured(16) == 2.0
+    assert costs.estimate(8) == 2.0 and costs.estimate(4) == 2.0  # a smaller tree costs no more
+    assert costs.estimate(32) == 0.0
+
+
+def test_choice_maximizes_tokens_per_second():
+    buckets = (0, 8, 32)
+    cal = Calibration(buckets)
+    sums = [[0.0, 2.0, 3.0], [0.0, 1.0, 1.2]]  # two requests' S at each bucket
+    expected = expected_tokens(sums, buckets, cal)
+    assert expected == [2.0, 5.0, 6.2]
+    assert choose(expected, [1.0, 2.0, 3.0]) == 1  # 2.5 tokens per unit against 2.0 and 2.07
+    assert choose(expected, [1.0, 3.0, 4.0]) == 0  # speculation off: 2.0 against 1.67 and 1.55
+    assert choose(expected, [1.0, 2.0, 0.0]) == 2  # never measured: tried first
+    assert choose([2.0, 4.0], [1.0, 2.0]) == 0  # a tie: the smaller bucket
