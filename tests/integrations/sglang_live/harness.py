@@ -1,0 +1,241 @@
+"""What SGLang's DDTree port (Rancy-Wang/sglang ddtree-v2 at 433c58ed) needs changed to run on the CPU,
+applied at run time in every SGLang process, never by editing SGLang's files; and counters that prove
+which of our functions ran.
+
+SGLang loads this module as a plug-in: scripts/sglang_live.sh registers `load` in SGLang's
+`sglang.srt.plugins` entry-point group (as `kdtree_sglang_live`), and the live test sets
+SGLANG_PLUGINS=kdtree_sglang_live so that SGLang loads it alone. `load()` then
+- applies PATCHES (each named, with its reason; docs/sglang.md has them as a table for the port);
+- wraps our drop-in's functions and our attention backend's forward with counters;
+- with KDTREE_ENGINE_SGLANG=1, calls our own plug-in hook (kdtree_engine.integrations.sglang.plugin.load:
+  the tree path and the `kdtree_mla` backend); otherwise registers the `kdtree_mla` backend alone, so
+  that the port's own tree path runs with our attention.
+Counts are written after each call to KDTREE_SGLANG_LIVE_COUNTS/counts-<pid>.json (the scheduler is
+another process) for the test to read.
+
+Test-only: nothing in kdtree_engine imports it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+ENV_COUNTS = "KDTREE_SGLANG_LIVE_COUNTS"
+COUNTS: Counter = Counter()
+APPLIED: list[str] = []
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    where: str  # the port's file and function that needs it
+    reason: str
+    apply: Callable[[], None]
+    only_with_drop_in: bool = False
+
+
+# ---- the patches ---------------------------------------------------------------------------------------
+def _record_stream_off_cuda() -> None:
+    import torch
+
+    original = torch.Tensor.record_stream
+    if getattr(original, "_kdtree_live", False):
+        return
+
+    def record_stream(self, stream):
+        if self.device.type == "cuda":
+            return original(self, stream)
+        return None  # the caching allocator this informs is CUDA's: nothing to do on the CPU
+
+    record_stream._kdtree_live = True
+    torch.Tensor.record_stream = record_stream
+
+
+def _dflash_on_cpu() -> None:
+    hook = importlib.import_module("sglang.srt.arg_groups.speculative_hook")
+    original = hook._handle_dflash
+    if getattr(original, "_kdtree_live", False):
+        return
+
+    @functools.wraps(original)
+    def _handle_dflash(server_args):
+        if server_args.device != "cpu":
+            return original(server_args)
+        server_args.device = "cuda"  # the check's only use of the device: the rest is device-free
+        try:
+            return original(server_args)
+        finally:
+            server_args.device = "cpu"
+
+    _handle_dflash._kdtree_live = True
+    hook._handle_dflash = _handle_dflash
+
+
+def _draft_backend_on_cpu() -> None:
+    hook = importlib.import_module("sglang.srt.arg_groups.speculative_hook")
+    original = hook._resolve_dflash_draft_attention_backend
+    if getattr(original, "_kdtree_live", False):
+        return
+
+    @functools.wraps(original)
+    def _resolve_dflash_draft_attention_backend(server_args):
+        original(server_args)
+        if _on_cpu(server_args):
+            server_args.speculative_draft_attention_backend = "torch_native"
+
+    _resolve_dflash_draft_attention_backend._kdtree_live = True
+    hook._resolve_dflash_draft_attention_backend = _resolve_dflash_draft_attention_backend
+
+
+def _absorbed_mla_on_cpu() -> None:
+    handler = importlib.import_module("sglang.srt.models.deepseek_common.attention_backend_handler")
+    methods = importlib.import_module(
+        "sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods"
+    )
+
+    def handle_attention_absorbed(attn, forward_batch):
+        return methods.AttnForwardMethod.MLA
+
+    for name in ("torch_native", "kdtree_mla"):
+        handler.AttentionBackendRegistry.register(name, handle_attention_absorbed)
+
+
+def _gpu_builder_off_cuda() -> None:
+    worker = importlib.import_module("sglang.srt.speculative.ddtree_worker_v2")
+    utils = importlib.import_module("sglang.srt.speculative.ddtree_utils")
+    original = worker.build_ddtree_tree
+    if getattr(original, "_kdtree_live", False):
+        return
+    import torch
+
+    @functools.wraps(original)
+    def build_ddtree_tree(draft_logits=None, tree_budget=None, device=None, _out_node_token_ids=None,
+                          _out_node_depths=None, _out_parents=None, _out_visibility=None,
+                          draft_top_log_probs=None, draft_top_token_ids=None,
+                          prune_to_deepest_chains=False, profiler=None):  # fmt: skip
+        gpu_builder = utils.build_ddtree_tree_gpu
+        if draft_top_log_probs is None or not gpu_builder.__module__.startswith("kdtree_engine"):
+            return original(draft_logits, tree_budget, device, _out_node_token_ids, _out_node_depths,
+                            _out_parents, _out_visibility, draft_top_log_probs, draft_top_token_ids,
+                            prune_to_deepest_chains, profiler)  # fmt: skip
+        bs = draft_top_log_probs.shape[0]
+        sizes = torch.zeros(bs, dtype=torch.long, device=draft_top_log_probs.device)
+        return gpu_builder(
+            draft_top_log_probs=draft_top_log_probs, draft_top_token_ids=draft_top_token_ids,
+            tree_budget=tree_budget, device=device, _out_node_token_ids=_out_node_token_ids,
+            _out_node_depths=_out_node_depths, _out_parents=_out_parents, _out_visibility=_out_visibility,
+            _out_actual_tree_sizes=sizes, _heap_scores=None, _heap_parents=None, _heap_depths=None,
+            _heap_ranks=None, prune_to_deepest_chains=prune_to_deepest_chains,
+        )  # fmt: skip
+
+    build_ddtree_tree._kdtree_live = True
+    worker.build_ddtree_tree = build_ddtree_tree
+
+
+def _on_cpu(server_args) -> bool:
+    return str(getattr(server_args, "device", "")).startswith("cpu")
+
+
+PATCHES = (
+    Patch("record_stream_off_cuda", "speculative/ddtree_worker_v2.py DDTreeWorkerV2.forward_batch_generation",
+          "calls batch.seq_lens.record_stream(current_stream) on CPU tensors, which raises; made a no-op "
+          "for non-CUDA tensors", _record_stream_off_cuda),
+    Patch("dflash_on_cpu", "arg_groups/speculative_hook.py _handle_dflash",
+          "raises 'DFLASH speculative decoding only supports CUDA device' (DDTree reuses it); nothing "
+          "else in it depends on the device", _dflash_on_cpu),
+    Patch("draft_backend_on_cpu", "arg_groups/speculative_hook.py _resolve_dflash_draft_attention_backend",
+          "the DFlash draft worker's backends (flashinfer, fa3, fa4, triton, ascend) lack torch_native, "
+          "the one that runs on the CPU; set to torch_native when the device is the CPU",
+          _draft_backend_on_cpu),
+    Patch("absorbed_mla_on_cpu", "models/deepseek_common/attention_backend_handler.py AttentionBackendRegistry",
+          "unregistered backend names get the triton handler, whose prefill takes the MHA path; "
+          "torch_native reads K and V from the MLA pool as stored, so it needs the absorbed (MLA) path "
+          "in every forward; registered for torch_native and kdtree_mla (whose prefill is torch_native's)",
+          _absorbed_mla_on_cpu),
+    Patch("gpu_builder_off_cuda", "speculative/ddtree_worker_v2.py DDTreeWorkerV2 (tree build)",
+          "the worker takes build_ddtree_tree_gpu only when the top-k is on CUDA, so a builder that runs "
+          "on any device (ours) is never called on the CPU; the CPU builder's call is routed to it when "
+          "the drop-in is installed", _gpu_builder_off_cuda, only_with_drop_in=True),
+)  # fmt: skip
+
+
+# ---- counters ------------------------------------------------------------------------------------------
+def _dump() -> None:
+    folder = os.environ.get(ENV_COUNTS)
+    if folder:
+        path = os.path.join(folder, f"counts-{os.getpid()}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"pid": os.getpid(), "applied": APPLIED, "counts": dict(COUNTS)}, f)
+        os.replace(path + ".tmp", path)
+
+
+def _counted(key: Callable[..., str] | str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def counted(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        COUNTS[key(*args, **kwargs) if callable(key) else key] += 1
+        _dump()
+        return out
+
+    counted._kdtree_live = True
+    return counted
+
+
+def _install_counters() -> None:
+    """Before our plug-in installs: it reads these module attributes, so SGLang gets the counted ones."""
+    from kdtree_engine.integrations import sglang as ours
+    from kdtree_engine.integrations.sglang import attention, plugin, topk
+
+    for name in plugin.FUNCTIONS:
+        fn = getattr(ours, name)
+        if not getattr(fn, "_kdtree_live", False):
+            setattr(ours, name, _counted(name, fn))
+    method = topk.compute_draft_topk_log_probs_and_token_ids
+    if not getattr(method, "_kdtree_live", False):
+        topk.compute_draft_topk_log_probs_and_token_ids = _counted(plugin.METHOD, method)
+    backend = attention.TreeMLABackend
+    if not getattr(backend._attend, "_kdtree_live", False):
+        backend._attend = _counted(lambda self, *a, **k: f"attend:{self.forward_metadata.kind}", backend._attend)
+        backend._plan = _counted(lambda self, q, kv, meta, layer: f"plan:{meta.kind}", backend._plan)
+        backend._delegate = _counted(lambda self, hook, *a, **k: f"fallback:{hook}", backend._delegate)
+
+
+def _count_port_builders() -> None:
+    """The port's own CPU builder and follow, counted where the worker calls them (to show which ran)."""
+    worker = importlib.import_module("sglang.srt.speculative.ddtree_worker_v2")
+    for name in ("build_ddtree_tree", "follow_verified_tree"):
+        fn = getattr(worker, name)
+        if not getattr(fn, "_kdtree_live_port", False):
+            wrapped = _counted(f"port:{name}", fn)
+            wrapped._kdtree_live_port = True
+            setattr(worker, name, wrapped)
+
+
+# ---- the plug-in hook ----------------------------------------------------------------------------------
+def load() -> None:
+    """SGLang's plug-in hook (see the module docstring)."""
+    drop_in = os.environ.get("KDTREE_ENGINE_SGLANG") == "1"
+    _install_counters()
+    from kdtree_engine.integrations.sglang import plugin
+
+    if drop_in:
+        plugin.load()
+    else:  # the kdtree_mla backend alone: the port's own tree path verifies through it
+        plugin._import_workers()
+        plugin._install_attention(importlib.import_module(plugin.UTILS))
+    _count_port_builders()  # before the patches, so that a call routed past the port's builder is not counted
+    for patch in PATCHES:
+        if patch.only_with_drop_in and not drop_in:
+            continue
+        patch.apply()
+        if patch.name not in APPLIED:
+            APPLIED.append(patch.name)
+    _dump()
+    print(f"kdtree-engine live harness: {APPLIED} (pid {os.getpid()})", file=sys.stderr)
