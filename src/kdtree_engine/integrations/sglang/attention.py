@@ -105,8 +105,11 @@ class TreeMLABackend:
     def __init__(self, model_runner, fallback=None, config: BackendConfig | None = None):
         self.config = config or BackendConfig()
         self.fallback = fallback
-        self.req_to_token = model_runner.req_to_token_pool.req_to_token  # [reqs, max_context] int32
-        self.pool = model_runner.token_to_kv_pool
+        # SGLang's forward context reads these two off the running backend (forward_context.py)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.req_to_token = self.req_to_token_pool.req_to_token  # [reqs, max_context] int32
+        self.pool = self.token_to_kv_pool
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
         self.device = self.req_to_token.device
         need(self.page_size >= 1, "page_size", f"expected >= 1, got {self.page_size}")
