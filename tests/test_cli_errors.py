@@ -264,7 +264,9 @@ def test_sizes_are_checked_before_loading(capsys, monkeypatch):
     assert (rc, out) == (2, "") and "budget: expected an int in [0, 4096] (the most nodes a tree op" in err
     assert "loading" not in _one_line(err)
     rc, out, err = _run(capsys, "generate", "--demo", "--budget", str(2**62))
-    assert (rc, out) == (2, "") and "budget: expected None or an int in [0, 1048576]" in _one_line(err)
+    assert (rc, out) == (2, "") and "budget: expected None, 'auto' or an int in [0, 1048576]" in _one_line(
+        err
+    )
     monkeypatch.setattr(checks, "available_memory", lambda device: 2**20)
     rc, out, err = _run(capsys, "generate", "--demo", "--device", "cpu")
     assert (rc, out) == (2, "") and "dtype: loading the weights in float32 needs about" in _one_line(err)
@@ -529,7 +531,7 @@ def test_help_shows_every_default(capsys):
         (["tree", "--help"], ["draft block length L (default: 4)", "seed of the random logits (default: 0)"]),
         (
             ["generate", "--help"],
-            ["DDTree node budget (root not counted) (default: 32)", "(default: ddtree)"],
+            ["DDTree node budget (root not counted), or auto", "costs (default: 32)", "(default: ddtree)"],
         ),
         (["golden", "--help"], [f"(default: {GOLDEN.resolve()})"]),
     ]:

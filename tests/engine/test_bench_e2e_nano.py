@@ -324,3 +324,20 @@ def test_timed_run_takes_tokens_per_second_untimed_and_stages_from_a_timed_call(
     out = e2e.timed_run(target, drafter, prompts, GenerationConfig(max_new_tokens=6, budget=4))
     assert timing == [True, True, False]
     assert out.stats.stage_times["verify"] > 0 and out.stats.stage_times["draft"] > 0
+
+
+def test_auto_row_reports_its_choices():
+    """--auto adds a DDTree row with budget "auto": its buckets' rounds add up to the row's rounds, and
+    the markdown gets the table of predicted and observed tokens per bucket."""
+    target, drafter = tiny_target(), tiny_drafter()
+    prompts = random_prompts(8, [6, 9], target.config.vocab_size)
+    argv = "--target nano --batch 2 --budgets 4 --new-tokens 12 --temperatures 0 --auto"
+    args = _args(*argv.split())
+    rows = e2e_nano.bench(target, drafter, prompts, args, torch.device("cpu"))
+    auto = rows[-1]
+    assert (auto["method"], auto["budget"], auto["equal_to_ar"]) == ("ddtree", "auto", 2)
+    assert sum(auto["budgets"].values()) == sum(r["rounds"] for r in auto["budget_report"].values()) > 0
+    md = e2e_nano.markdown(rows, "header")
+    assert (
+        'Budget "auto"' in md and "| bucket | rounds | predicted | calibrated | observed | round ms |" in md
+    )

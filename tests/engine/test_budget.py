@@ -12,6 +12,7 @@ import torch
 from kdtree_engine.engine import SamplingParams, accept_tokens
 from kdtree_engine.engine.budget import (
     AUTO_BUCKETS,
+    COST_WINDOW,
     Calibration,
     CostTable,
     bucket_sums,
@@ -100,12 +101,14 @@ def test_calibration_is_accepted_over_predicted_per_bucket_and_borrows_the_neare
 
 def test_costs_are_medians_and_unmeasured_buckets_get_tried():
     costs = CostTable(AUTO_BUCKETS)
-    assert costs.estimate(8) == 0.0  # nothing measured above: try it
+    assert costs.estimate(8) == 0.0  # not measured: try it
     for t in (3.0, 1.0, 2.0):
         costs.observe(16, t)
-    assert costs.measured(16) == 2.0
-    assert costs.estimate(8) == 2.0 and costs.estimate(4) == 2.0  # a smaller tree costs no more
-    assert costs.estimate(32) == 0.0
+    assert costs.measured(16) == 2.0 and costs.estimate(16) == 2.0
+    assert costs.estimate(0) == costs.estimate(32) == 0.0
+    for t in range(40):  # the last COST_WINDOW rounds only
+        costs.observe(16, 10.0 + t)
+    assert costs.measured(16) == 10.0 + 40 - COST_WINDOW / 2 - 0.5
 
 
 def test_choice_maximizes_tokens_per_second():

@@ -25,8 +25,9 @@ def _drafter(**overrides):
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(budget=-1), r"budget: expected None or an int in \[0, 1048576\] for method 'ddtree', got -1"),
-        (dict(budget=2**62), r"budget: expected None or an int in \[0, 1048576\]"),
+        (dict(budget=-1), r"budget: expected None, 'auto' or an int in \[0, 1048576\] for method 'ddtree'"),
+        (dict(budget="all"), r"budget: expected None, 'auto' or an int in \[0, 1048576\] .* got 'all'"),
+        (dict(budget=2**62), r"budget: expected None, 'auto' or an int in \[0, 1048576\]"),
         (dict(stop_strings="STOP"), "stop_strings: expected a tuple or list of strings"),
         (dict(stop_strings=("",)), "stop_strings: expected non-empty strings"),
         (dict(stop_strings=(3,)), "stop_strings: expected non-empty strings"),

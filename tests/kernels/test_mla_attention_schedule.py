@@ -114,7 +114,8 @@ def test_device_schedule_equals_the_specification(device):
         sms, forced = rng.choice([1, 4, 11, 13, 132]), rng.choice([0, 0, 0, 2, 5])
         lengths = torch.randint(1, rng.choice([100, 5000, 40000]), (b,))
         want = sched.schedule(b, blocks, -(-int(lengths.max()) // 64), sms, forced)
-        assert tuple(sched.device_schedule(lengths.to(device), blocks, sms, 64, forced).tolist()) == tuple(want)
+        got = sched.device_schedule(lengths.to(device), blocks, sms, 64, forced)
+        assert tuple(got.tolist()) == tuple(want)
         pieces = [((rb * want.tiles + want.tiles - 1) // want.per) - (rb * want.tiles) // want.per + 1
                   for rb in range(b * blocks)]  # fmt: skip
         assert max(pieces) <= sched.max_pieces(b, blocks, sms, forced)

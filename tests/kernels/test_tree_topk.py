@@ -61,7 +61,7 @@ CPU_CASES = [  # (b, depth, vocab, k, kind, knobs)
     (1, 2, 500, 5, "bf16", {"group": 16, "max_groups": 8}),
     (1, 2, 5000, 16, "bf16", {"block": 1024, "super_group": 128}),  # 5 blocks, V not a multiple
     (1, 2, 2000, 8, "half", {}),  # fp16: keys shifted by 13
-    (1, 1, 64, 64, "bf16", {"block": 16, "group": 16}),  # k = V with ties, k > number of groups and super groups
+    (1, 1, 64, 64, "bf16", {"block": 16, "group": 16}),  # k = V with ties, k > groups and super groups
     (1, 3, 3000, 16, "bf16", {"max_compact": 16}),  # more logits >= T0 than KC: exact path
     (1, 2, 1000, 8, "smooth", {"super_group": 8, "select_warps": 2, "block": 128}),  # S = G
     (2, 2, 1000, 8, "smooth", {"group": 16, "block": 256, "select_maxnreg": 64, "partial_warps": 2}),

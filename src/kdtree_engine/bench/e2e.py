@@ -41,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="batch sizes (default: 1 for nano on the CPU, else 1 4 16 64)",
     )
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64], help="DDTree budgets")
+    parser.add_argument(
+        "--auto",
+        action="store_true",
+        help='add a DDTree row with budget "auto" (each round picks its budget; table of its choices)',
+    )
     parser.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens (small)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--layers", type=int, default=12, help="target layers (small; the shape's 12)")
@@ -123,7 +128,50 @@ def summarize(outputs) -> dict:
         "stages_ms": per_round,
         "overhead": (round_ms - core) / round_ms if round_ms else float("nan"),
         "graphs": all(s.cuda_graphs for s in stats),
+        "budgets": _histogram([k for s in stats for k in s.budgets]),
+        "budget_report": _merged_report([s.budget_report for s in stats if s.budget_report]),
     }
+
+
+def _histogram(values: list[int]) -> dict[int, int]:
+    return {k: values.count(k) for k in sorted(set(values))}
+
+
+def _merged_report(reports: list[dict]) -> dict:
+    """The auto budget's per-bucket reports of several calls, weighted by their rounds."""
+    merged: dict = {}
+    for report in reports:
+        for k, r in report.items():
+            m = merged.setdefault(k, {"rounds": 0, "predicted": 0.0, "calibrated": 0.0, "observed": 0.0,
+                                      "seconds": []})  # fmt: skip
+            n = r["rounds"]
+            if n:
+                m["rounds"] += n
+                for key in ("predicted", "calibrated", "observed"):
+                    m[key] += n * r[key] if r[key] == r[key] else 0.0
+                m["seconds"].append(r["seconds"])
+    for m in merged.values():
+        n = m["rounds"]
+        for key in ("predicted", "calibrated", "observed"):
+            m[key] = m[key] / n if n else float("nan")
+        times = [t for t in m["seconds"] if t == t]
+        m["seconds"] = sorted(times)[len(times) // 2] if times else float("nan")
+    return merged
+
+
+def auto_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
+    """The auto rows' choices: per bucket, rounds, mean predicted tokens per request (1 + S, and
+    calibrated), observed, and the median round time; None without an auto row."""
+    body = []
+    for r in rows:
+        for k, b in (r.get("budget_report") or {}).items():
+            if b["rounds"]:
+                body.append([*lead(r), k, b["rounds"], f"{b['predicted']:.2f}", f"{b['calibrated']:.2f}",
+                             f"{b['observed']:.2f}", f"{b['seconds'] * 1e3:.3f}"])  # fmt: skip
+    if not body:
+        return None
+    heads = [*lead_heads, "bucket", "rounds", "predicted", "calibrated", "observed", "round ms"]
+    return markdown_table(heads, body)
 
 
 def print_row(r: dict) -> None:

@@ -33,9 +33,14 @@ def prompt_batches(prompts: list[list[int]], batch: int) -> list[list[list[int]]
     return [[prompts[(i * batch + j) % len(prompts)] for j in range(batch)] for i in range(count)]
 
 
-def runs(budgets) -> list[tuple[str, int | None]]:
-    """(method, budget) in bench order: autoregressive first (the baseline), DFlash, DDTree per budget."""
-    return [("autoregressive", None), ("dflash", None)] + [("ddtree", b) for b in budgets]
+def runs(budgets, auto: bool = False) -> list[tuple[str, int | str | None]]:
+    """(method, budget) in bench order: autoregressive first (the baseline), DFlash, DDTree per budget,
+    then DDTree with budget "auto" when asked."""
+    return (
+        [("autoregressive", None), ("dflash", None)]
+        + [("ddtree", b) for b in budgets]
+        + ([("ddtree", "auto")] if auto else [])
+    )
 
 
 def bench_setting(target, drafter, groups, batch: int, temperature: float, args) -> list[dict]:
@@ -47,7 +52,7 @@ def bench_setting(target, drafter, groups, batch: int, temperature: float, args)
     base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs, seed=args.seed,
                 sampling=SamplingParams(temperature=temperature))  # fmt: skip
     rows, ar, ar_tokens = [], None, None
-    for method, budget in runs(args.budgets):
+    for method, budget in runs(args.budgets, getattr(args, "auto", False)):
         config = GenerationConfig(method=method, budget=budget, **base)
         speculative = method != "autoregressive"
         r = e2e.summarize(
@@ -57,7 +62,8 @@ def bench_setting(target, drafter, groups, batch: int, temperature: float, args)
         if ar is None:  # the first run: autoregressive decoding, the baseline
             ar, ar_tokens = r, tokens
         equal = sum(a == b for a, b in zip(tokens, ar_tokens)) if temperature == 0 else None
-        budget = config.tree_budget(drafter.block_size if speculative else 1)
+        block = drafter.block_size if speculative else 1
+        budget = "auto" if config.auto_budget else config.tree_budget(block)
         rows.append({"target": "nano", "method": method, "budget": budget, "temperature": temperature,
                      "batch": batch, "requests": len(tokens), **r,
                      "speedup": r["tokens_per_s"] / ar["tokens_per_s"], "equal_to_ar": equal})  # fmt: skip
@@ -114,6 +120,9 @@ def markdown(rows: list[dict], header: str, experts: list[dict] | None = None, f
         rows, lead, lambda r: [r["batch"], f"{r['temperature']:g}", r["method"], r["budget"] or "-"]
     )
     parts = [header, markdown_table(heads, body), "Per-stage time per round:", stages]
+    auto = e2e.auto_table(rows, lead[:2], lambda r: [r["batch"], f"{r['temperature']:g}"])
+    if auto:
+        parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
     if experts:
         parts.append(touch.markdown(experts))
     if forwards:
@@ -124,12 +133,12 @@ def markdown(rows: list[dict], header: str, experts: list[dict] | None = None, f
 def plot(rows: list[dict], path: Path) -> None:
     """Speedup over autoregressive decoding against the budget: one line per method, temperature and
     batch (DFlash is one point at its chain length)."""
-    budgets = sorted({r["budget"] for r in rows if r["method"] != "autoregressive"})
+    fixed = [r for r in rows if r["method"] != "autoregressive" and r["budget"] != "auto"]
+    budgets = sorted({r["budget"] for r in fixed})
     series: dict[str, list] = {}
-    for r in rows:
-        if r["method"] != "autoregressive":
-            name = f"{r['method']} T={r['temperature']:g} batch {r['batch']}"
-            series.setdefault(name, [None] * len(budgets))[budgets.index(r["budget"])] = r["speedup"]
+    for r in fixed:
+        name = f"{r['method']} T={r['temperature']:g} batch {r['batch']}"
+        series.setdefault(name, [None] * len(budgets))[budgets.index(r["budget"])] = r["speedup"]
     if not series:  # autoregressive rows only, so far
         return
     title = "bench e2e --target nano: speedup over autoregressive decoding"

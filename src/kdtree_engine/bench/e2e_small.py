@@ -106,6 +106,10 @@ def _add_costs(rows: list[dict], costs: list[dict]) -> None:
     ar = next(r for r in rows if r["method"] == "autoregressive")
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        if r["budget"] == "auto":  # no one verify size
+            r["c_N_over_c_1"] = r["ideal"] = r["efficiency"] = float("nan")
+            r["decode_ms"], r["roofline_ms"] = decode["us"] * 1e-3, decode["roofline_us"] * 1e-3
+            continue
         r["c_N_over_c_1"] = by_tokens[r["budget"] + 1]["us"] / decode["us"] if r["budget"] else 1.0
         r["ideal"] = r["tau"] / r["c_N_over_c_1"]
         r["efficiency"] = r["speedup"] / r["ideal"]
@@ -126,12 +130,13 @@ def bench_batch(target, batch: int, args, device) -> tuple[list[dict], list[dict
     horizon = [list(p) + t for p, t in zip(prompts, ar["tokens"])]
     drafter = NoisyOracleDrafter(horizon, target.config.vocab_size, block_size=16, device=device)
     rows = [{"method": "autoregressive", "budget": 0, **ar}]
-    for method, budget in [("dflash", None)] + [("ddtree", b) for b in args.budgets]:
+    auto = [("ddtree", "auto")] if getattr(args, "auto", False) else []
+    for method, budget in [("dflash", None)] + [("ddtree", b) for b in args.budgets] + auto:
         r = _run(target, drafter, prompts, GenerationConfig(method=method, budget=budget, **base))
         r["same_as_ar"] = r["tokens"] == ar["tokens"]
         rows.append({"method": method, "budget": budget if budget is not None else 15, **r})
     prefix = args.prompt_len + args.new_tokens // 2
-    tokens = [r["budget"] + 1 for r in rows if r["budget"]]
+    tokens = [r["budget"] + 1 for r in rows if r["budget"] and r["budget"] != "auto"]
     costs = forward_cost.cost_rows(target, drafter, batch, tokens, prefix, args.impl, args.copy_bw)
     for r in rows:
         r["batch"] = batch
@@ -160,6 +165,9 @@ def markdown(rows: list[dict], header: str, forwards: list[dict] | None = None) 
         "Decode step against its memory roofline:",
         markdown_table(["batch", "decode ms", "roofline ms", "decode / roofline"], roof_rows),
     ]  # fmt: skip
+    auto = e2e.auto_table(rows, ["batch"], lambda r: [r["batch"]])
+    if auto:
+        parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
     if forwards:
         parts.append(forward_cost.markdown(forwards, DRAFTER_LABEL))
     return "\n\n".join(parts)

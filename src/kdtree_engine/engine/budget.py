@@ -18,7 +18,7 @@ device-to-host copy, so the choice for round k + 1 uses the figures of the last 
 
 The cost. c(n) is the measured time of a round of bucket n at this batch (seconds, the median of the
 last rounds of that bucket, CUDA events around the round, or the wall clock on the CPU). A bucket not
-measured yet costs what its neighbours suggest (see `CostTable.estimate`), so it gets tried.
+measured yet costs 0, so that each gets tried once, the smallest first.
 
 The choice: argmax over buckets of sum_b E_b(n) / c(n), over the requests still running.
 """
@@ -107,14 +107,10 @@ class CostTable:
         return statistics.median(t) if t else None
 
     def estimate(self, bucket: int) -> float:
-        """The bucket's median, or for one not measured: 0 (so that it is tried) when no bucket above it
-        is measured, else the cost of the nearest measured bucket above it (a smaller tree costs no
-        more)."""
+        """The bucket's median, or 0 for one not measured yet (so that every bucket gets tried once:
+        an autoregressive step costs far less than any tree, which no neighbour tells)."""
         own = self.measured(bucket)
-        if own is not None:
-            return own
-        above = [k for k in self.buckets if k > bucket and self.measured(k) is not None]
-        return self.measured(min(above)) if above else 0.0
+        return 0.0 if own is None else own
 
 
 def expected_tokens(
@@ -127,8 +123,95 @@ def expected_tokens(
 
 def choose(expected: Sequence[float], costs: Sequence[float]) -> int:
     """The index of the bucket with the most expected tokens per second; a bucket of cost 0 (never
-    measured, nothing measured above it) first, the smallest such (exploration); ties: the smaller."""
+    measured) first, the smallest such (exploration); ties: the smaller."""
     for j, c in enumerate(costs):
         if c <= 0:
             return j
     return max(range(len(costs)), key=lambda j: (expected[j] / costs[j], -j))
+
+
+@dataclass
+class BudgetPolicy:
+    """The host side of the auto budget for one Runner (its cost table and calibration carry over to
+    its later calls): picks each round's bucket from the last figures read, and learns from each round
+    read. `depth`: L + 1, the most autoregressive rounds in a row (the drafter's context holds the rows
+    of one speculative round plus L + 1 more)."""
+
+    buckets: tuple[int, ...]
+    depth: int
+    calibration: Calibration = field(init=False)
+    costs: CostTable = field(init=False)
+    sums: dict[int, list[float]] = field(default_factory=dict)  # request row -> S at each bucket
+    streak: int = 0  # autoregressive rounds enqueued since the last draft
+    chosen: dict[int, int] = field(default_factory=dict)  # rounds read per bucket
+    predicted: dict[int, float] = field(default_factory=dict)  # sum of 1 + S per bucket (uncalibrated)
+    calibrated: dict[int, float] = field(default_factory=dict)  # sum of 1 + r S, r as it was then
+    observed: dict[int, float] = field(default_factory=dict)  # sum of committed tokens per bucket
+    requests: dict[int, int] = field(default_factory=dict)  # (request, round) pairs per bucket
+
+    def __post_init__(self) -> None:
+        self.calibration = Calibration(self.buckets)
+        self.costs = CostTable(self.buckets)
+
+    def new_call(self) -> None:
+        """A Runner's next call: its requests and its report start afresh; the costs and the
+        calibration carry over."""
+        self.sums.clear()
+        self.streak = 0
+        for tally in (self.chosen, self.predicted, self.calibrated, self.observed, self.requests):
+            tally.clear()
+
+    def pick(self, active: Sequence[bool], must_draft: bool) -> int:
+        """The bucket of the next round enqueued: the most expected tokens per second over the running
+        requests; a speculative one when the drafter must run (a call's first round, a full context)."""
+        must_draft = must_draft or self.streak >= self.depth
+        zeros = [0.0] * len(self.buckets)
+        rows = [self.sums.get(r, zeros) for r, on in enumerate(active) if on]
+        expected = expected_tokens(rows, self.buckets, self.calibration)
+        allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
+        costs = [self.costs.estimate(self.buckets[j]) for j in allowed]
+        bucket = self.buckets[allowed[choose([expected[j] for j in allowed], costs)]]
+        self.streak = self.streak + 1 if bucket == 0 else 0
+        return bucket
+
+    def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
+                sums: Sequence[Sequence[float]] | None) -> None:  # fmt: skip
+        """One round read: its bucket, its measured seconds (None: not representative, e.g. eager),
+        the request rows that were running, their committed counts, and the round's sums per request
+        row (None for an autoregressive round)."""
+        if seconds is not None:
+            self.costs.observe(bucket, seconds)
+        self.chosen[bucket] = self.chosen.get(bucket, 0) + 1
+        if sums is None:
+            return
+        j = self.buckets.index(bucket)
+        accepted = [counts[r] - 1 for r in rows]
+        predicted = [sums[r][j] for r in rows]
+        ratio = self.calibration.ratio(bucket)  # what the choice assumed
+        self.calibrated[bucket] = self.calibrated.get(bucket, 0.0) + sum(1.0 + ratio * p for p in predicted)
+        self.calibration.observe(bucket, accepted, predicted)
+        self.predicted[bucket] = self.predicted.get(bucket, 0.0) + sum(1.0 + p for p in predicted)
+        self.observed[bucket] = self.observed.get(bucket, 0.0) + float(sum(counts[r] for r in rows))
+        self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
+        for r in rows:
+            self.sums[r] = list(sums[r])
+
+    def report(self) -> dict[int, dict[str, float]]:
+        """Per bucket, over this call: rounds read, mean tokens per request predicted (uncalibrated
+        1 + S, and 1 + r S with r as it stood when the round was read, before learning from it),
+        observed, and the median round seconds; an autoregressive round commits exactly one token."""
+        out = {}
+        for k in self.buckets:
+            n = self.requests.get(k, 0)
+            mean = {key: (d.get(k, 0.0) / n if n else float("nan"))
+                    for key, d in (("predicted", self.predicted), ("calibrated", self.calibrated),
+                                   ("observed", self.observed))}  # fmt: skip
+            if k == 0:
+                mean = dict.fromkeys(mean, 1.0)
+            seconds = self.costs.measured(k)
+            out[k] = {
+                "rounds": self.chosen.get(k, 0),
+                **mean,
+                "seconds": float("nan") if seconds is None else seconds,
+            }
+        return out

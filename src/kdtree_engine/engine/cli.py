@@ -46,7 +46,8 @@ HELP = {
     "max_new_tokens": "new tokens per request at most (clamped to the target's context); a checkpoint's "
     "generation_config.json may set it",
     "method": f"one of {', '.join(METHODS)}",
-    "budget": "DDTree node budget (root not counted)",
+    "budget": "DDTree node budget (root not counted), or auto: each round picks the budget (0: an "
+    "autoregressive step) with the most expected tokens per second, from measured round costs",
     "temperature": "0: greedy; a checkpoint's generation_config.json may set it (with do_sample)",
     "top_p": "1.0: off; a checkpoint's generation_config.json may set it (with do_sample)",
     "top_k": "0: off; a checkpoint's generation_config.json may set it (with do_sample)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kdtree_engine.engine.budget import AUTO_BUCKETS
 from kdtree_engine.engine.checks import is_int
 from kdtree_engine.engine.sampling import SamplingParams
 from kdtree_engine.impl import check_impl
@@ -28,7 +29,9 @@ class GenerationConfig:
     method: "autoregressive" (no drafter), "dflash" (one chain of the drafter's L = block_size - 1
         positions) or "ddtree" (a best-first tree of `budget` nodes).
     budget: DDTree nodes per round, root not counted, at most MAX_BUDGET; None means L. 0 verifies the
-        root only (one token per round). Ignored by "autoregressive" and "dflash".
+        root only (one token per round). "auto": each round picks among engine.budget.AUTO_BUCKETS (0:
+        an autoregressive step) the budget with the most expected tokens per second. Ignored by
+        "autoregressive" and "dflash".
     sampling: temperature 0 is greedy; otherwise the target's token at every node is sampled (tempered,
         top-k, top-p).
     seed: key of the sampled mode's counter-based noise (any int >= -2**63, taken mod 2**64), so a run
@@ -47,7 +50,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 64
     method: str = "ddtree"
-    budget: int | None = 32
+    budget: int | str | None = 32
     sampling: SamplingParams = SamplingParams()
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
@@ -60,10 +63,12 @@ class GenerationConfig:
             raise ValueError(f"method: expected one of {METHODS}, got {self.method!r}")
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens: expected an int >= 0, got {self.max_new_tokens!r}")
-        if self.budget is not None and (not is_int(self.budget) or not 0 <= self.budget <= MAX_BUDGET):
+        auto = self.budget == "auto"
+        fixed = is_int(self.budget) and 0 <= self.budget <= MAX_BUDGET
+        if self.budget is not None and not auto and not fixed:
             raise ValueError(
-                f"budget: expected None or an int in [0, {MAX_BUDGET}] for method {self.method!r}, "
-                f"got {self.budget!r}"
+                f"budget: expected None, 'auto' or an int in [0, {MAX_BUDGET}] for method "
+                f"{self.method!r}, got {self.budget!r}"
             )
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling: expected a SamplingParams, got {type(self.sampling).__name__}")
@@ -80,19 +85,27 @@ class GenerationConfig:
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs: expected None, True or False, got {self.cuda_graphs!r}")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
-        object.__setattr__(self, "budget", None if self.budget is None else int(self.budget))
+        object.__setattr__(self, "budget", self.budget if self.budget is None or auto else int(self.budget))
         object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "stop_tokens", tuple(int(t) for t in stops))
         object.__setattr__(self, "stop_strings", strings)
 
+    @property
+    def auto_budget(self) -> bool:
+        """Whether each round picks its budget (method "ddtree", budget "auto"; engine.budget)."""
+        return self.method == "ddtree" and self.budget == "auto"
+
     def tree_budget(self, block_size: int) -> int:
         """Nodes verified per round besides the root, for a drafter of `block_size` (bonus + L drafted
-        positions): `budget` (default L) for "ddtree", L for "dflash", 0 for "autoregressive"."""
+        positions): `budget` (default L) for "ddtree" (with "auto": the largest bucket), L for "dflash",
+        0 for "autoregressive"."""
         depth = block_size - 1
         if self.method == "autoregressive":
             return 0
         if self.method == "dflash" or self.budget is None:
             return depth
+        if self.auto_budget:
+            return max(AUTO_BUCKETS)
         return self.budget
 
 

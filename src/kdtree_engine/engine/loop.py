@@ -28,12 +28,16 @@ that same per-round copy); a finished request's row stays in the batch and commi
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kdtree_engine.engine import checks
+from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, bucket_sums, path_probabilities
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
 from kdtree_engine.engine.sampling import accept_tokens, root_tree
@@ -220,33 +224,62 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None) -
     return state
 
 
+class _Stage(NamedTuple):
+    """One stage of a round: `name` its timer's (engine.stats.STAGES), `key` its graph's (a stage of one
+    bucket of the auto budget: "verify@8"), whether it can be captured."""
+
+    name: str
+    fn: Callable[[], None]
+    capturable: bool
+    key: str
+
+
 class _Stages:
-    """The stages of one round of run.config.method on `state`, in order, as (name, function, whether
-    it can be captured in a CUDA graph). Each stage reads and writes device tensors only: the state, in
-    place, and the outputs of the stages before it in the round (attributes of this object)."""
+    """The stages of one round of run.config.method on `state`, in order, per bucket (the budget of the
+    round: one bucket for a fixed budget; engine.budget.AUTO_BUCKETS with budget "auto", 0 being an
+    autoregressive step that feeds the drafter's context). Each stage reads and writes device tensors
+    only: the state, in place, and the outputs of the stages before it in the round (attributes of this
+    object)."""
 
     def __init__(self, run: _Run, state: _State) -> None:
         self.run, self.s = run, state
         self.keys = self.draw = None
+        self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
         device = state.start.device
         if not run.config.sampling.greedy and _use_graphs(run, device):
             # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
             table = stream_key_table(run.noise_seed, run.max_len + 3)  # draws <= rounds + 2 <= max_len + 3
             self.keys = table.to(device)
             self.draw = torch.tensor([run.draws], device=device)
-        accept_capturable = run.config.sampling.greedy or self.keys is not None
+        accept = run.config.sampling.greedy or self.keys is not None  # capturable
+        drafter = bool(getattr(run.drafter, "capturable", False))
+        auto = run.config.auto_budget
+        self.buckets = AUTO_BUCKETS if auto else (run.budget,)
+        self.orders: dict[int, list[_Stage]] = {}
         if run.config.method == "autoregressive":
-            self.order = [("verify", self.decode, True), ("accept", self.accept_one, accept_capturable)]
-        else:
-            drafter = bool(getattr(run.drafter, "capturable", False))
-            self.order = [
-                ("draft", self.draft, drafter),
-                ("tree_build", self.tree_build, True),
-                ("compile", self.compile, True),
-                ("verify", self.verify, True),
-                ("accept", self.accept, accept_capturable),
+            self.orders[0] = [_Stage("verify", self.decode, True, "verify"),
+                              _Stage("accept", self.accept_one, accept, "accept")]  # fmt: skip
+            return
+        for n in self.buckets:
+            tag = f"@{n}" if auto else ""
+            if auto and n == 0:
+                self.orders[0] = [_Stage("verify", self.decode_into_context, True, "verify@0"),
+                                  _Stage("accept", self.accept_one, accept, "accept@0")]  # fmt: skip
+                continue
+            verify, accept_n = functools.partial(self.verify, n), functools.partial(self.accept, n)
+            self.orders[n] = [
+                _Stage("draft", self.draft, drafter, "draft"),
+                _Stage("tree_build", self.tree_build, True, "tree_build"),
+                _Stage("compile", self.compile, True, "compile"),
+                _Stage("verify", verify, True, "verify" + tag),
+                _Stage("accept", accept_n, accept, "accept" + tag),
             ]
-        self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
+
+    @property
+    def order(self) -> list[_Stage]:
+        """The stages of the one bucket of a fixed budget."""
+        (only,) = self.orders.values()
+        return only
 
     def _choose(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         """_accept, with the sampled draw's keys read on the device when the stages are captured."""
@@ -268,7 +301,7 @@ class _Stages:
 
     def draft(self) -> None:
         """The drafter on the features it has not seen: the prompts' in a call's first round, else those
-        of the rows the last round committed."""
+        of the rows committed since its last call."""
         run, s = self.run, self.s
         ctx = s.prompt_ctx if s.prompt_ctx is not None else s.ctx
         s.prompt_ctx = None
@@ -286,47 +319,81 @@ class _Stages:
             self.draw.fill_(run.draws)
 
     def tree_build(self) -> None:
+        """The tree of the largest bucket (best-first: a smaller bucket's tree is its first nodes)."""
         run = self.run
         if run.config.method == "dflash":
             self.tree = chain_tree(self.draft_logits)  # [B, L, V] -> L nodes
         else:
-            self.tree = build_tree_from_logits(self.draft_logits, run.budget, impl=run.impl, validate=False)
+            budget = max(self.buckets)
+            self.tree = build_tree_from_logits(self.draft_logits, budget, impl=run.impl, validate=False)
 
     def compile(self) -> None:
+        """The verify inputs of the whole tree; with the auto budget, also each request's expected
+        acceptance at every bucket (engine.budget: the sums of the path probabilities)."""
         run, s = self.run, self.s
         self.vin = compile_tree(self.tree, s.bonus, s.start, impl=run.impl, validate=False)
         # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
         pos = self.vin.positions
         self.positions = pos if run.limit is None else pos.clamp(max=run.limit - 1)
+        if run.config.auto_budget:
+            tree = self.tree
+            probs = path_probabilities(self.draft_logits, tree.tokens, tree.depths, self.vin.visibility)
+            self._put("sums", bucket_sums(probs, self.buckets))
 
-    def verify(self) -> None:
+    def _first(self, n: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tree, input_ids, positions, visibility) of the first n nodes (all of them for a fixed
+        budget): best-first order puts every node's ancestors before it."""
+        if n == self.tree.budget:
+            return self.tree, self.vin.input_ids, self.positions, self.vin.visibility
+        t = self.tree
+        cols = (t.tokens[:, :n], t.depths[:, :n], t.parents[:, : n + 1])
+        tree = DraftTree(*(c.contiguous() for c in cols), t.num_nodes.clamp(max=n), t.max_depth)
+        vis = self.vin.visibility[:, : n + 1, : n + 1].contiguous()
+        return tree, self.vin.input_ids[:, : n + 1], self.positions[:, : n + 1], vis
+
+    def verify(self, n: int) -> None:
         run, s = self.run, self.s
-        self.out = run.target(
-            self.vin.input_ids,
-            s.cache,
-            positions=self.positions,
-            visibility=self.vin.visibility,
-            capture_layers=run.capture,
-            impl=run.impl,
-            validate=False,
-        )  # logits [B, N, V], hidden [B, N, F]
+        _, ids, positions, visibility = self._first(n)
+        out = run.target(ids, s.cache, positions=positions, visibility=visibility,
+                         capture_layers=run.capture, impl=run.impl, validate=False)  # fmt: skip
+        setattr(self, f"out_{n}", out)  # logits [B, n + 1, V], hidden [B, n + 1, F]
 
-    def accept(self) -> None:
+    def accept(self, n: int) -> None:
         """The walk, then the commit on the device: the accepted rows of the target cache, their features
         for the drafter, the committed tokens (accepted nodes after the root, then the bonus token)."""
-        s = self.s
-        acc = self._choose(self.tree, self.out.logits)
-        n = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
-        s.cache.compact(s.start, acc.accepted, n, validate=False)
+        s, out = self.s, getattr(self, f"out_{n}")
+        tree, ids, _, _ = self._first(n)
+        acc = self._choose(tree, out.logits)
+        count = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
+        s.cache.compact(s.start, acc.accepted, count, validate=False)
         idx = acc.accepted.clamp(min=0)  # [B, L + 1]
-        hidden = self.out.hidden
-        s.put("ctx", hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1])))
-        s.ctx_lens.copy_(n)
-        tokens = torch.cat([self.vin.input_ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
-        tokens.scatter_(1, (n - 1).clamp(min=0)[:, None], acc.bonus[:, None])
-        s.put("committed", torch.cat([n[:, None], tokens], dim=1))
+        hidden = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
+        if self.run.config.auto_budget:  # room for the rows of the autoregressive steps after it
+            if s.ctx is None:
+                s.ctx = hidden.new_zeros(hidden.shape[0], 2 * hidden.shape[1], hidden.shape[2])
+            s.ctx[:, : hidden.shape[1]].copy_(hidden)
+        else:
+            s.put("ctx", hidden)
+        s.ctx_lens.copy_(count)
+        tokens = torch.cat([ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
+        tokens.scatter_(1, (count - 1).clamp(min=0)[:, None], acc.bonus[:, None])
+        self._commit(count, tokens, getattr(self, "sums", None))
         s.bonus.copy_(torch.where(s.active, acc.bonus, s.bonus))
-        s.start.add_(n)
+        s.start.add_(count)
+
+    def _commit(self, count: torch.Tensor, tokens: torch.Tensor, sums: torch.Tensor | None) -> None:
+        """The round's one tensor for the host: count, tokens, and with the auto budget the L + 1 token
+        slots padded and the bucket sums (float64 bits; NaN for a round without a draft)."""
+        s = self.s
+        if not self.run.config.auto_budget:
+            s.put("committed", torch.cat([count[:, None], tokens], dim=1))
+            return
+        width = self.run.drafter.block_size  # L + 1 token slots
+        pad = tokens.new_zeros(tokens.shape[0], width - tokens.shape[1])
+        if sums is None or tokens.shape[1] == 1:
+            sums = torch.full((tokens.shape[0], len(self.buckets)), float("nan"), device=tokens.device)
+        bits = sums.double().view(torch.int64)
+        s.put("committed", torch.cat([count[:, None], tokens, pad, bits], dim=1))
 
     def decode(self) -> None:
         run, s = self.run, self.s
@@ -335,35 +402,53 @@ class _Stages:
             s.bonus[:, None], s.cache, lengths=lengths, impl=run.impl, validate=False
         ).logits
 
+    def decode_into_context(self) -> None:
+        """The auto budget's autoregressive step: one decode forward that also captures the drafter's
+        target layers and appends the bonus token's features to the drafter's context (the next draft
+        reads every row committed since the last one)."""
+        run, s = self.run, self.s
+        lengths = s.active.long()
+        out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=run.capture,
+                         impl=run.impl, validate=False)  # fmt: skip
+        self.logits = out.logits
+        at = s.ctx_lens.clamp(max=s.ctx.shape[1] - 1)[:, None, None].expand(-1, 1, s.ctx.shape[-1])
+        s.ctx.scatter_(1, at, out.hidden)
+        s.ctx_lens.add_(lengths)
+
     def accept_one(self) -> None:
         s = self.s
         logits = self.logits[:, :1]
         token = self._choose(root_tree(logits.shape[0], logits.device), logits).bonus
         n = s.active.long()
-        s.put("committed", torch.stack([n, token], dim=1))
+        self._commit(n, token[:, None], None)
         s.bonus.copy_(torch.where(s.active, token, s.bonus))
         s.start.add_(n)
 
 
 class _Graphs:
-    """The capturable stages of a _Stages, each captured once into a CUDA graph (one memory pool) and
-    replayed every round; the others run eagerly. Capture after one eager round (which compiles the
-    kernels and gives the drafter context its per-round shape)."""
+    """CUDA graphs of the capturable stages of a _Stages (one memory pool), each captured once, keyed by
+    the stage's key, after one eager run of it (which compiles the kernels and gives the drafter context
+    its per-round shape); a bucket of the auto budget is captured after its first round."""
 
-    def __init__(self, stages: _Stages) -> None:
+    def __init__(self) -> None:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        pool = torch.cuda.graph_pool_handle()
-        for name, fn, capturable in stages.order:
-            if capturable:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def missing(self, order: list[_Stage]) -> bool:
+        return any(st.capturable and st.key not in self.graphs for st in order)
+
+    def capture(self, stages: _Stages, order: list[_Stage]) -> None:
+        for st in order:
+            if st.capturable and st.key not in self.graphs:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    fn()
-                self.graphs[name] = graph
+                with torch.cuda.graph(graph, pool=self.pool):
+                    st.fn()
+                self.graphs[st.key] = graph
         stages.frozen = True
 
-    def run(self, name: str, fn) -> None:
-        graph = self.graphs.get(name)
-        graph.replay() if graph is not None else fn()
+    def run(self, stage: _Stage) -> None:
+        graph = self.graphs.get(stage.key)
+        graph.replay() if graph is not None else stage.fn()
 
 
 def _use_graphs(run: _Run, device: torch.device) -> bool:
@@ -408,13 +493,17 @@ class _HostCopy:
         any later round's)."""
         self.in_flight.clear()
 
-    def read(self) -> tuple[list[list[int]], list[int]]:
-        """Waits for the oldest round in flight and returns its (tokens per request, counts)."""
+    def read(self, sums: int = 0) -> tuple[list[list[int]], list[int], list[list[float]] | None]:
+        """Waits for the oldest round in flight and returns its (tokens per request, counts, and the
+        last `sums` columns as float64 per request, or None)."""
         slot = self.in_flight.pop(0)
         if self.events[slot] is not None:
             self.events[slot].synchronize()
-        rows = self.slots[slot].tolist()
-        return [r[1:] for r in rows], [r[0] for r in rows]
+        data = self.slots[slot]
+        body = data[:, : data.shape[1] - sums] if sums else data
+        rows = body.tolist()
+        floats = data[:, data.shape[1] - sums :].contiguous().view(torch.float64).tolist() if sums else None
+        return [r[1:] for r in rows], [r[0] for r in rows], floats
 
 
 def _commit(run: _Run, state: _State, tokens: list[list[int]], counts: list[int]) -> None:
@@ -447,14 +536,34 @@ def _surely_last(run: _Run) -> bool:
     )
 
 
+@dataclass
+class _InFlight:
+    """A round enqueued and not read: its bucket, its stages' count (for the timer), and the clock of
+    its cost (CUDA events around it, or the host's seconds on the CPU; None: not representative)."""
+
+    bucket: int
+    stages: int
+    begin: object = None
+    end: object = None
+    seconds: float | None = None
+
+
 class _Rounds:
     """Enqueues rounds (every stage, replayed or eager, then the copy of its committed tokens) and reads
-    them back in order. Kept by a Runner across calls: its stages, graphs and copy slots."""
+    them back in order. Kept by a Runner across calls: its stages, graphs, copy slots and, with the
+    auto budget, its policy (costs and calibration)."""
 
     def __init__(self, run: _Run, state: _State) -> None:
         self.run, self.state = run, state
         self.stages, self.graphs, self.host = _Stages(run, state), None, None
-        self.in_flight = 0
+        self.flight: list[_InFlight] = []
+        depth = run.drafter.block_size if run.drafter is not None else 1
+        auto = run.config.auto_budget
+        self.policy = BudgetPolicy(self.stages.buckets, depth) if auto else None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.flight)
 
     def reuse(self, run: _Run, state: _State) -> None:
         """Binds the rounds to the next call (the same state, reset and prefilled in place)."""
@@ -462,29 +571,73 @@ class _Rounds:
             raise RuntimeError("_Rounds.reuse: a call of another state")
         self.run = run
         self.stages.reuse(run)
+        if self.policy is not None:
+            self.policy.new_call()
 
-    def enqueue(self) -> None:
+    def pick(self) -> int:
+        """The next round's bucket (the one bucket of a fixed budget)."""
+        if self.policy is None:
+            return self.stages.buckets[0] if self.run.config.method != "autoregressive" else 0
+        return self.policy.pick(self.run.reqs.active, must_draft=self.state.prompt_ctx is not None)
+
+    def enqueue(self, bucket: int) -> None:
+        order = self.stages.orders[bucket]
         prompts = self.state.prompt_ctx is not None  # the first draft reads the prompts: eager
-        for name, fn, _ in self.stages.order:
-            with self.run.timer.stage(name):
-                replay = self.graphs is not None and not (prompts and name == "draft")
-                self.graphs.run(name, fn) if replay else fn()
+        captured = self.graphs is not None and not prompts and not self.graphs.missing(order)
+        entry = _InFlight(bucket, len(order))
+        cuda = self.state.start.device.type == "cuda"
+        if cuda:
+            entry.begin, entry.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            entry.begin.record()
+        t0 = time.perf_counter()
+        for st in order:
+            with self.run.timer.stage(st.name):
+                replay = self.graphs is not None and not (prompts and st.key == "draft")
+                self.graphs.run(st) if replay else st.fn()
+        if cuda:
+            entry.end.record()
+        elif captured or self.graphs is None:
+            entry.seconds = time.perf_counter() - t0  # the CPU works synchronously
+        if cuda and not captured:
+            entry.begin = entry.end = None  # an eager round (compiles): not what the bucket costs
         self.host = self.host or _HostCopy(self.state)
         self.host.send(self.state)
-        self.in_flight += 1
+        self.flight.append(entry)
 
     def read(self) -> tuple[list[list[int]], list[int]]:
-        self.in_flight -= 1
-        return self.host.read()
+        """The oldest round's (tokens per request, counts); the auto budget's policy learns from it."""
+        entry = self.flight.pop(0)
+        sums = len(self.stages.buckets) if self.policy is not None else 0
+        tokens, counts, floats = self.host.read(sums)
+        if self.policy is not None:
+            seconds = entry.seconds
+            if entry.begin is not None:
+                seconds = entry.begin.elapsed_time(entry.end) / 1e3
+            rows = [r for r, on in enumerate(self.run.reqs.active) if on]
+            spec = entry.bucket > 0 and floats is not None and not any(v != v for v in floats[0])
+            self.policy.observe(entry.bucket, seconds, rows, counts, floats if spec else None)
+            self.run.stats.budgets.append(entry.bucket)
+        return tokens, counts
+
+    def capture(self, bucket: int) -> bool:
+        """Captures the stages of `bucket` not captured yet (after their first, eager, round); True when
+        it did (the caller times it)."""
+        order = self.stages.orders[bucket]
+        if self.graphs is None:
+            self.graphs = _Graphs()
+        elif not self.graphs.missing(order):
+            return False
+        self.graphs.capture(self.stages, order)
+        return True
 
     def discard(self) -> None:
         """Forgets the rounds still in flight (enqueued ahead, past the last request's end): their
         stage times are dropped and they are counted in stats.discarded_rounds."""
-        self.run.timer.drop_last(len(self.stages.order) * self.in_flight)
-        self.run.stats.discarded_rounds += self.in_flight
+        self.run.timer.drop_last(sum(e.stages for e in self.flight))
+        self.run.stats.discarded_rounds += len(self.flight)
         if self.host is not None:
             self.host.forget()
-        self.in_flight = 0
+        self.flight.clear()
 
 
 def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | None = None) -> _Rounds:
@@ -501,23 +654,24 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
     run.stats.cuda_graphs = rounds.graphs is not None
     while any(run.reqs.active):
         if rounds.in_flight == 0:
-            rounds.enqueue()
+            rounds.enqueue(rounds.pick())
         if ahead and (rounds.graphs is not None or not graphs_wanted) and not _surely_last(run):
-            rounds.enqueue()
+            rounds.enqueue(rounds.pick())
+        bucket = rounds.flight[0].bucket
         tokens, counts = rounds.read()  # waits for the oldest round in flight
         run.stats.rounds += 1
         run.stats.target_forwards += 1
-        run.stats.drafter_forwards += int(speculative)
+        run.stats.drafter_forwards += int(speculative and (rounds.policy is None or bucket > 0))
         with run.timer.host_stage("commit"):
             _commit(run, state, tokens, counts)
         if not any(run.reqs.active):
             rounds.discard()
         run.timer.collect(wait=False)
-        if rounds.graphs is None and any(run.reqs.active) and graphs_wanted:
+        if graphs_wanted and any(run.reqs.active):
             t0 = run.timer.now()
-            rounds.graphs = _Graphs(rounds.stages)
-            run.stats.cuda_graphs = True
-            run.stats.capture_time = run.timer.now() - t0
+            if rounds.capture(bucket):
+                run.stats.cuda_graphs = True
+                run.stats.capture_time += run.timer.now() - t0
     run.timer.collect()
     return rounds
 
@@ -614,6 +768,8 @@ class Runner:
             self._state = _prefill(run, prompts, self._state)
             timer.collect()
             self._rounds = _decode(run, self._state, self.device, self._rounds)
+        if self._rounds.policy is not None:
+            stats.budget_report = self._rounds.policy.report()
         stats.wall_time = timer.now() - t0
         stats.stage_times = dict(timer.times)
         stats.new_tokens = [len(t) for t in reqs.tokens]

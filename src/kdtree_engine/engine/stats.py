@@ -98,6 +98,8 @@ class GenerationStats:
     cuda_graphs: bool = False
     capture_time: float = 0.0  # seconds spent capturing CUDA graphs (once per call, after round 1)
     discarded_rounds: int = 0  # rounds enqueued ahead past the end (engine.loop), not in `rounds`
+    budgets: list[int] = field(default_factory=list)  # budget "auto": each round's bucket, in order
+    budget_report: dict = field(default_factory=dict)  # budget "auto": engine.budget.BudgetPolicy.report()
 
     @property
     def total_new_tokens(self) -> int:
@@ -127,6 +129,10 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.total_new_tokens / self.wall_time if self.wall_time > 0 else float("nan")
 
+    def _budget_histogram(self) -> str:
+        counts = Counter(self.budgets)
+        return " ".join(f"{k}:{counts[k]}" for k in sorted(counts))
+
     def summary(self) -> str:
         timed = [f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_times.items() if v > 0]
         stages = ", ".join(timed) or "not timed"
@@ -138,6 +144,7 @@ class GenerationStats:
             + (f" (histogram {hist})" if hist else "")
             + f"; {self.tokens_per_s:.1f} tokens/s"
             + (" (CUDA graphs)" if self.cuda_graphs else "")
+            + (f"; budgets chosen {self._budget_histogram()}" if self.budgets else "")
             + f"; stages: {stages}"
         )
 

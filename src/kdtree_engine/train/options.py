@@ -21,6 +21,15 @@ import typing
 _SCALARS = {int: int, float: float, str: str}
 
 
+def int_or_word(text: str) -> int | str:
+    """An `int | str` field's value on the command line: an int where the text is one, else the word
+    (e.g. --budget auto), which the config's own check accepts or refuses."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def _hint(cls, field: dataclasses.Field):
     return typing.get_type_hints(cls)[field.name]
 
@@ -33,6 +42,8 @@ def _non_none(hint) -> list:
 def _scalar_type(cls, field: dataclasses.Field):
     """The argparse type of a field, or None when it is not a plain scalar (tuples, dicts)."""
     args = _non_none(_hint(cls, field))
+    if sorted(args, key=str) == sorted([int, str], key=str):
+        return int_or_word
     return _SCALARS.get(args[0]) if len(args) == 1 else None
 
 

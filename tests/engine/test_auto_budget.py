@@ -1,0 +1,78 @@
+"""budget="auto" in the engine: every bucket keeps greedy output equal to autoregressive decoding, the
+drafter's context stays complete across autoregressive rounds (every committed row's features are in
+its cache or pending for its next draft), the drafter runs at the latest after L + 1 of them, and the
+policy's report reaches the stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
+from kdtree_engine.engine.budget import AUTO_BUCKETS, CostTable
+from kdtree_engine.model import greedy_generate
+from tests.engine.helpers import OracleDrafter, random_prompts, tiny_drafter, tiny_target
+
+
+def _context_complete(runner: Runner) -> bool:
+    """Rows fed to the drafter + rows pending for its next draft == rows committed, per request."""
+    s = runner._state
+    return (s.dcache.seqlens + s.ctx_lens).tolist() == s.start.tolist()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_auto_tries_every_bucket_and_stays_greedy(monkeypatch, pipelined):
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
+    target, drafter = tiny_target(3), tiny_drafter(3, block_size=8)
+    prompts = random_prompts(2, [6, 11, 3], target.config.vocab_size)
+    config = GenerationConfig(max_new_tokens=30, budget="auto")
+    runner = Runner(target, drafter, config, batch_size=3, prompt_len=11)
+    out = runner.generate(prompts)
+    assert out.tokens == greedy_generate(target, prompts, 30)
+    assert set(out.stats.budgets) == set(AUTO_BUCKETS)  # each tried once at least (exploration)
+    assert out.stats.budgets[0] > 0  # the first round drafts: the prompts' features are pending
+    assert out.stats.drafter_forwards == sum(k > 0 for k in out.stats.budgets)
+    report = out.stats.budget_report
+    assert sum(r["rounds"] for r in report.values()) == out.stats.rounds
+    assert _context_complete(runner)
+
+
+def test_cheap_autoregressive_steps_still_draft_every_l_plus_one_rounds(monkeypatch):
+    """With autoregressive rounds measured cheap and every tree dear, the policy steps autoregressively
+    and drafts once every L + 1 rounds (the drafter's context holds no more); an oracle drafter then
+    gets whole blocks accepted, and the output stays greedy."""
+    monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1e-9 if k == 0 else 1.0)
+    target = tiny_target(4)
+    prompts = random_prompts(5, [7, 4], target.config.vocab_size)
+    n, block = 40, 6
+    drafter = OracleDrafter(target, prompts, n + 20, block_size=block, top=1)
+    config = GenerationConfig(max_new_tokens=n, budget="auto")
+    out = generate(target, drafter, prompts, config)
+    assert out.tokens == greedy_generate(target, prompts, n)
+    budgets = out.stats.budgets
+    streaks = "".join("0" if k == 0 else "x" for k in budgets).split("x")
+    assert budgets[0] > 0 and max(len(z) for z in streaks) == block  # L + 1 = block size
+
+
+def test_context_is_complete_after_autoregressive_rounds_with_a_real_drafter(monkeypatch):
+    monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1e-9 if k == 0 else 1.0)
+    target, drafter = tiny_target(1), tiny_drafter(1, block_size=5)
+    prompts = random_prompts(9, [4, 9], target.config.vocab_size)
+    runner = Runner(
+        target, drafter, GenerationConfig(max_new_tokens=23, budget="auto"), batch_size=2, prompt_len=9
+    )
+    out = runner.generate(prompts)
+    assert out.tokens == greedy_generate(target, prompts, 23)
+    assert 0 in out.stats.budgets and _context_complete(runner)
+
+
+def test_sampled_auto_repeats_its_draws_given_the_same_choices(monkeypatch):
+    """Sampled draws are keyed by the seed and the round; the choices depend on measured costs, so a
+    run repeats only where its choices do: with costs fixed (here a deterministic table), it does."""
+    monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1.0 + k / 16)
+    target, drafter = tiny_target(2), tiny_drafter(2, block_size=6)
+    prompts = random_prompts(3, [5, 8], target.config.vocab_size)
+    sampling = SamplingParams(temperature=1.0)
+    config = GenerationConfig(max_new_tokens=18, budget="auto", seed=4, sampling=sampling)
+    first, second = (generate(target, drafter, prompts, config) for _ in range(2))
+    assert first.tokens == second.tokens and first.stats.budgets == second.stats.budgets
+    assert len(set(first.stats.budgets)) > 1
