@@ -99,6 +99,9 @@ mkdir -p "$INFO"
 printf 'Metadata-Version: 2.1\nName: kdtree-sglang-live-harness\nVersion: 0.0.0\n' >"$INFO/METADATA"
 printf '[sglang.srt.plugins]\nkdtree_sglang_live = tests.integrations.sglang_live.harness:load\n' \
   >"$INFO/entry_points.txt"
+# ...and its hook that must run before SGLang is imported (harness.hide_amx), in every process, when asked.
+echo 'import os; os.environ.get("KDTREE_SGLANG_LIVE_AMX_OFF") == "1" and __import__("tests.integrations.sglang_live.harness").integrations.sglang_live.harness.hide_amx()' \
+  >"$SITE/kdtree_sglang_live_early.pth"
 echo "$COMMIT" >"$ENV_DIR/PORT_COMMIT"
 if step kdtree-engine; then
   "${PIP[@]}" --no-deps -e "$REPO"

@@ -24,12 +24,13 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 ENV_COUNTS = "KDTREE_SGLANG_LIVE_COUNTS"
 COUNTS: Counter = Counter()
 APPLIED: list[str] = []
+STATE: dict = {}
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def _dflash_on_cpu() -> None:
         if server_args.device != "cpu":
             return original(server_args)
         server_args.device = "cuda"  # the check's only use of the device: the rest is device-free
+        server_args._kdtree_live_cpu = True  # for draft_backend_on_cpu, which runs inside
         try:
             return original(server_args)
         finally:
@@ -92,16 +94,16 @@ def _draft_backend_on_cpu() -> None:
 
     _resolve_dflash_draft_attention_backend._kdtree_live = True
     hook._resolve_dflash_draft_attention_backend = _resolve_dflash_draft_attention_backend
+    common = importlib.import_module("sglang.srt.speculative.draft_worker_common")  # the worker's own check
+    if "torch_native" not in common._SUPPORTED_DRAFT_BACKENDS:
+        common._SUPPORTED_DRAFT_BACKENDS = (*common._SUPPORTED_DRAFT_BACKENDS, "torch_native")
 
 
 def _absorbed_mla_on_cpu() -> None:
     handler = importlib.import_module("sglang.srt.models.deepseek_common.attention_backend_handler")
-    methods = importlib.import_module(
-        "sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods"
-    )
 
     def handle_attention_absorbed(attn, forward_batch):
-        return methods.AttnForwardMethod.MLA
+        return handler._dispatch_mla_subtype(attn, forward_batch)  # MLA, or its fused-rope CPU form (AMX)
 
     for name in ("torch_native", "kdtree_mla"):
         handler.AttentionBackendRegistry.register(name, handle_attention_absorbed)
@@ -110,8 +112,8 @@ def _absorbed_mla_on_cpu() -> None:
 def _gpu_builder_off_cuda() -> None:
     worker = importlib.import_module("sglang.srt.speculative.ddtree_worker_v2")
     utils = importlib.import_module("sglang.srt.speculative.ddtree_utils")
-    original = worker.build_ddtree_tree
-    if getattr(original, "_kdtree_live", False):
+    original = worker.build_ddtree_tree  # the port's builder (counted)
+    if getattr(original, "_kdtree_live_router", False):
         return
     import torch
 
@@ -135,30 +137,117 @@ def _gpu_builder_off_cuda() -> None:
             _heap_ranks=None, prune_to_deepest_chains=prune_to_deepest_chains,
         )  # fmt: skip
 
-    build_ddtree_tree._kdtree_live = True
+    build_ddtree_tree._kdtree_live_router = True
     worker.build_ddtree_tree = build_ddtree_tree
 
 
+def _triton_helpers_off_cpu() -> None:
+    common = importlib.import_module("sglang.srt.utils.common")
+    original = common.support_triton
+    if getattr(original, "_kdtree_live", False):
+        return
+    args = importlib.import_module("sglang.srt.runtime_context")
+
+    @functools.wraps(original)
+    def support_triton(backend: str) -> bool:
+        return original(backend) and not _on_cpu(args.get_server_args())
+
+    support_triton._kdtree_live = True
+    for name in SUPPORT_TRITON_USERS:
+        module = importlib.import_module(name)
+        if getattr(module, "support_triton", None) is original:
+            module.support_triton = support_triton
+    common.support_triton = support_triton
+
+
+SUPPORT_TRITON_USERS = ("sglang.srt.utils", "sglang.srt.mem_cache.allocation",
+                        "sglang.srt.model_executor.forward_batch_info")  # fmt: skip
+
+
+def hide_amx() -> None:
+    """Run before SGLang is imported, in every process: scripts/sglang_live.sh's .pth line calls it when
+    KDTREE_SGLANG_LIVE_AMX_OFF=1 (SGLang picks its CPU kernels at import time, before plug-ins load)."""
+    import torch
+
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
+def _amx_off() -> None:
+    """Where SGLang was imported before hide_amx (the test's own process, which runs no model): as far
+    as it goes now; STATE["amx_at_import"] tells the test which process had AMX on at import."""
+    common = importlib.import_module("sglang.srt.utils.common")
+    STATE["amx_at_import"] = bool(common.cpu_has_amx_support())
+    hide_amx()
+    common.is_amx_tile_supported = False
+    for name, module in list(sys.modules.items()):
+        if name.startswith("sglang.") and getattr(module, "_is_cpu_amx_available", False) is True:
+            module._is_cpu_amx_available = False
+
+
+def _torch_native_target_verify() -> None:
+    import copy
+
+    import torch
+
+    native = importlib.import_module("sglang.srt.layers.attention.torch_native_backend")
+    cls = native.TorchNativeAttnBackend
+    original = cls.forward_extend
+    if getattr(original, "_kdtree_live", False):
+        return
+
+    @functools.wraps(original)
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if not forward_batch.forward_mode.is_target_verify() or forward_batch.extend_prefix_lens is not None:
+            return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        block = copy.copy(forward_batch)  # seq_lens: the prefix; the block of t tokens per request after it
+        t = q.shape[0] // forward_batch.batch_size
+        block.extend_prefix_lens = forward_batch.seq_lens
+        block.extend_seq_lens = torch.full_like(forward_batch.seq_lens, t)
+        block.seq_lens = forward_batch.seq_lens + t
+        return original(self, q, k, v, layer, block, save_kv_cache, **kwargs)
+
+    forward_extend._kdtree_live = True
+    cls.forward_extend = forward_extend
+
+
 def _on_cpu(server_args) -> bool:
-    return str(getattr(server_args, "device", "")).startswith("cpu")
+    return str(server_args.device).startswith("cpu") or getattr(server_args, "_kdtree_live_cpu", False)
 
 
 PATCHES = (
+    Patch("amx_off", "utils/common.py cpu_has_amx_support (and each module's _is_cpu_amx_available)",
+          "on a CPU with AMX, SGLang runs sgl-kernel's CPU kernels, which fit DeepSeek's own sizes only: "
+          "qkv_proj_with_rope_fused_weight aborts ('double free or corruption') on kimi-nano (kv_lora_rank "
+          "64, rope dim 16), and rmsnorm_cpu refuses float32; with AMX reported absent SGLang takes its "
+          "torch-native CPU paths (torch.cpu._is_amx_tile_supported answers False in every process, "
+          "set before SGLang's import by hide_amx)", _amx_off),
     Patch("record_stream_off_cuda", "speculative/ddtree_worker_v2.py DDTreeWorkerV2.forward_batch_generation",
           "calls batch.seq_lens.record_stream(current_stream) on CPU tensors, which raises; made a no-op "
           "for non-CUDA tensors", _record_stream_off_cuda),
     Patch("dflash_on_cpu", "arg_groups/speculative_hook.py _handle_dflash",
           "raises 'DFLASH speculative decoding only supports CUDA device' (DDTree reuses it); nothing "
           "else in it depends on the device", _dflash_on_cpu),
-    Patch("draft_backend_on_cpu", "arg_groups/speculative_hook.py _resolve_dflash_draft_attention_backend",
+    Patch("draft_backend_on_cpu", "arg_groups/speculative_hook.py _resolve_dflash_draft_attention_backend; "
+          "speculative/draft_worker_common.py _SUPPORTED_DRAFT_BACKENDS",
           "the DFlash draft worker's backends (flashinfer, fa3, fa4, triton, ascend) lack torch_native, "
-          "the one that runs on the CPU; set to torch_native when the device is the CPU",
+          "the one that runs on the CPU: both checks fall back to flashinfer; torch_native when the device "
+          "is the CPU, and added to the worker's list",
           _draft_backend_on_cpu),
-    Patch("absorbed_mla_on_cpu", "models/deepseek_common/attention_backend_handler.py AttentionBackendRegistry",
+    Patch("absorbed_mla_on_cpu",
+          "models/deepseek_common/attention_backend_handler.py AttentionBackendRegistry",
           "unregistered backend names get the triton handler, whose prefill takes the MHA path; "
           "torch_native reads K and V from the MLA pool as stored, so it needs the absorbed (MLA) path "
           "in every forward; registered for torch_native and kdtree_mla (whose prefill is torch_native's)",
           _absorbed_mla_on_cpu),
+    Patch("torch_native_target_verify", "layers/attention/torch_native_backend.py forward_extend",
+          "reads extend_prefix_lens / extend_seq_lens, which a TARGET_VERIFY batch does not carry (the "
+          "DFlash draft's block forward is one: seq_lens the prefix, block_size tokens after it); given "
+          "prefix = seq_lens and extend = the block, the drafter's non-causal block (ENCODER_ONLY "
+          "layers) runs on torch_native", _torch_native_target_verify),
+    Patch("triton_helpers_off_cpu", "utils/common.py support_triton (allocation.py, forward_batch_info.py)",
+          "answers by backend name only (all but torch_native and intel_amx): the KV-index writers then "
+          "launch Triton kernels on the CPU ('0 active drivers'); False when the device is the CPU",
+          _triton_helpers_off_cpu),
     Patch("gpu_builder_off_cuda", "speculative/ddtree_worker_v2.py DDTreeWorkerV2 (tree build)",
           "the worker takes build_ddtree_tree_gpu only when the top-k is on CUDA, so a builder that runs "
           "on any device (ours) is never called on the CPU; the CPU builder's call is routed to it when "
@@ -172,7 +261,7 @@ def _dump() -> None:
     if folder:
         path = os.path.join(folder, f"counts-{os.getpid()}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"pid": os.getpid(), "applied": APPLIED, "counts": dict(COUNTS)}, f)
+            json.dump({"pid": os.getpid(), "applied": APPLIED, "counts": dict(COUNTS), **STATE}, f)
         os.replace(path + ".tmp", path)
 
 
@@ -202,7 +291,8 @@ def _install_counters() -> None:
         topk.compute_draft_topk_log_probs_and_token_ids = _counted(plugin.METHOD, method)
     backend = attention.TreeMLABackend
     if not getattr(backend._attend, "_kdtree_live", False):
-        backend._attend = _counted(lambda self, *a, **k: f"attend:{self.forward_metadata.kind}", backend._attend)
+        kind = lambda self, *a, **k: f"attend:{self.forward_metadata.kind}"  # noqa: E731
+        backend._attend = _counted(kind, backend._attend)
         backend._plan = _counted(lambda self, q, kv, meta, layer: f"plan:{meta.kind}", backend._plan)
         backend._delegate = _counted(lambda self, hook, *a, **k: f"fallback:{hook}", backend._delegate)
 
