@@ -586,7 +586,8 @@ class _Rounds:
         captured = self.graphs is not None and not prompts and not self.graphs.missing(order)
         entry = _InFlight(bucket, len(order))
         cuda = self.state.start.device.type == "cuda"
-        if cuda:
+        timed = self.policy is not None  # the auto budget measures each round's cost
+        if cuda and timed:
             entry.begin, entry.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             entry.begin.record()
         t0 = time.perf_counter()
@@ -594,12 +595,12 @@ class _Rounds:
             with self.run.timer.stage(st.name):
                 replay = self.graphs is not None and not (prompts and st.key == "draft")
                 self.graphs.run(st) if replay else st.fn()
-        if cuda:
+        if cuda and timed:
             entry.end.record()
-        elif captured or self.graphs is None:
+            if not captured:
+                entry.begin = entry.end = None  # an eager round (compiles): not what the bucket costs
+        elif timed and (captured or self.graphs is None):
             entry.seconds = time.perf_counter() - t0  # the CPU works synchronously
-        if cuda and not captured:
-            entry.begin = entry.end = None  # an eager round (compiles): not what the bucket costs
         self.host = self.host or _HostCopy(self.state)
         self.host.send(self.state)
         self.flight.append(entry)
