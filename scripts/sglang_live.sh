@@ -25,6 +25,8 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 case "$ENV_DIR/" in "$REPO"/*) echo "ENV_DIR must lie outside the repository ($REPO)" >&2; exit 2 ;; esac
 [ -f "$PORT/python/pyproject_cpu.toml" ] || { echo "$PORT: not a checkout of the port" >&2; exit 2; }
 COMMIT=$(git -C "$PORT" rev-parse HEAD)
+PINNED=433c58ed70cd1dabe5a07a83da12f1513cd599ae  # kdtree_engine.integrations.sglang.plugin.PORT_CHECKED
+[ "$COMMIT" = "$PINNED" ] || echo "warning: $PORT is at $COMMIT, not the pinned $PINNED" >&2
 PY=$ENV_DIR/venv/bin/python
 PIP=(pip_q install)  # quiet, without the warnings about this machine's local indexes
 pip_q() { "$PY" -m pip -q "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
