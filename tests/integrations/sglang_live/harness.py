@@ -210,6 +210,25 @@ def _torch_native_target_verify() -> None:
     cls.forward_extend = forward_extend
 
 
+def _input_embeds_in_model_dtype() -> None:
+    runner = importlib.import_module("sglang.srt.model_executor.model_runner")
+    cls = runner.ModelRunner
+    original = cls._extend_forward_kwargs
+    if getattr(original, "_kdtree_live", False):
+        return
+
+    @functools.wraps(original)
+    def _extend_forward_kwargs(self, forward_batch, pp_proxy_tensors):
+        kwargs = original(self, forward_batch, pp_proxy_tensors)
+        embeds = kwargs.get("input_embeds")
+        if embeds is not None and embeds.dtype != self.dtype:
+            kwargs["input_embeds"] = embeds.to(self.dtype)  # the model's dtype, not always bf16
+        return kwargs
+
+    _extend_forward_kwargs._kdtree_live = True
+    cls._extend_forward_kwargs = _extend_forward_kwargs
+
+
 def _on_cpu(server_args) -> bool:
     return str(server_args.device).startswith("cpu") or getattr(server_args, "_kdtree_live_cpu", False)
 
@@ -244,6 +263,10 @@ PATCHES = (
           "DFlash draft's block forward is one: seq_lens the prefix, block_size tokens after it); given "
           "prefix = seq_lens and extend = the block, the drafter's non-causal block (ENCODER_ONLY "
           "layers) runs on torch_native", _torch_native_target_verify),
+    Patch("input_embeds_in_model_dtype", "model_executor/model_runner.py ModelRunner._extend_forward_kwargs",
+          "casts every input_embeds to bf16 (`.bfloat16()`): in a float32 run the DFlash draft's block "
+          "(embedded by the target) meets float32 weights ('expected m1 and m2 to have the same dtype'); "
+          "cast to the runner's dtype instead", _input_embeds_in_model_dtype),
     Patch("triton_helpers_off_cpu", "utils/common.py support_triton (allocation.py, forward_batch_info.py)",
           "answers by backend name only (all but torch_native and intel_amx): the KV-index writers then "
           "launch Triton kernels on the CPU ('0 active drivers'); False when the device is the CPU",

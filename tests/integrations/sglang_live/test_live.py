@@ -35,11 +35,11 @@ pytestmark = pytest.mark.skipif(
     reason="KDTREE_SGLANG_LIVE does not name an environment built by scripts/sglang_live.sh",
 )
 
-# SGLang runs bf16: in float32 the port's DFlash draft gets bf16 inputs for its float32 weights (a dtype
-# mismatch in models/dflash.py's first qkv_proj). Our engine runs float32, its reference precision, and
-# bf16 for the record (its bf16 kernels round differently from SGLang's: the tokens may part).
-DTYPE = "bfloat16"
-OURS_DTYPE = "float32"
+# float32 on both sides: greedy tokens of two engines are an exact test only where their kernels' rounding
+# cannot flip a near-tie. (In bf16, SGLang's speculative runs equal its plain run too, but ours and SGLang's
+# bf16 kernels round differently: on these prompts the tokens part after 17 on the third; docs/sglang.md.)
+DTYPE = os.environ.get("KDTREE_SGLANG_LIVE_DTYPE", "float32")
+OURS_DTYPE = DTYPE
 PROMPTS, MAX_NEW, BUDGET, EOS = 3, 32, 15, 0
 ENV = {
     "SGLANG_USE_CPU_ENGINE": "1",
@@ -147,9 +147,9 @@ def runs(tmp_path_factory) -> dict:
         out["drop_in"] = _sglang("drop_in", prompts, tmp, monkeypatch, True, {"KDTREE_ENGINE_SGLANG": "1"})
         out["ours_ar"] = _ours(prompts, "autoregressive")
         out["ours"] = _ours(prompts, "ddtree")
-        out["ours_bf16"] = _ours(prompts, "ddtree", "bfloat16")
-        out["ours_bf16"]["same_prefix"] = [_common(a, b) for a, b in zip(out["ours_bf16"]["tokens"],
-                                                                         out["plain"]["tokens"])]  # fmt: skip
+        for name in ("ours_ar", "ours"):  # recorded before the assertions, for the bf16 case
+            pairs = zip(out[name]["tokens"], out["plain"]["tokens"])
+            out[name]["same_prefix"] = [_common(a, b) for a, b in pairs]
     Path(LIVE, "results.json").write_text(json.dumps(out, indent=1))
     print("\nsglang live:", json.dumps({k: v if not isinstance(v, dict) else {
         kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in out.items()}, indent=1))  # fmt: skip
