@@ -143,6 +143,9 @@ def test_train_target_writes_a_checkpoint_our_loader_reads_and_resumes(corpus, t
         "loss.png",
     ):
         assert (out / name).is_file(), name
+    config = json.loads((out / "config.json").read_text())  # the keys SGLang's DeepSeek code reads
+    keys = ("moe_layer_freq", "topk_method", "scoring_func")
+    assert [config[k] for k in keys] == [1, "noaux_tc", "sigmoid"]
     ours, hf = load_model(out), DeepseekV3ForCausalLM.from_pretrained(out).eval()
     x = torch.randint(0, 300, (2, 12))
     with torch.no_grad():

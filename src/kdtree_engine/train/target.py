@@ -290,12 +290,26 @@ class _Run:
     elapsed_s: float = 0.0
 
 
+# Config keys SGLang's DeepSeek code still reads and transformers 5 no longer writes; their values are
+# what the model computes (every layer past the dense ones MoE, sigmoid scores, no-aux-loss top-k).
+SGLANG_CONFIG_KEYS = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def add_sglang_keys(folder: Path) -> None:
+    """Adds SGLANG_CONFIG_KEYS to folder/config.json where missing, so that SGLang loads the checkpoint."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config = {**config, **{k: v for k, v in SGLANG_CONFIG_KEYS.items() if k not in config}}
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def save_checkpoint(model, opt: MasterWeights, run: _Run, cfg: TargetTrainConfig, log: TrainLog) -> None:
-    """The weights as a shippable folder (save_pretrained in shards under 16 MB, bfloat16), plus
-    trainer_state.json (step and schedule) and, for an exact resume on the same machine,
-    trainer_state.pt (float32 master weights and optimizer moments; not shipped)."""
+    """The weights as a shippable folder (save_pretrained in shards under 16 MB, bfloat16, config.json
+    with the keys SGLang reads), plus trainer_state.json (step and schedule) and, for an exact resume on
+    the same machine, trainer_state.pt (float32 master weights and optimizer moments; not shipped)."""
     out = Path(cfg.out)
     model.save_pretrained(out, max_shard_size=SHARD_SIZE)
+    add_sglang_keys(out)
     (out / "trainer_state.json").write_text(json.dumps(asdict(run)) + "\n")
     torch.save(opt.state_dict(), out / "trainer_state.pt")
     log.save({"config": asdict(cfg), **asdict(run)})
