@@ -43,57 +43,64 @@ class Patch:
 
 
 # ---- the patches ---------------------------------------------------------------------------------------
+def _replace_once(owner, name: str, make: Callable[[Callable], Callable], flag: str = "_kdtree_live"):
+    """owner.<name> = make(original), dressed as the original and marked with `flag`, unless it already
+    is such a replacement (a patch applied twice in one process). Returns (original, replacement), or
+    None when it was already replaced."""
+    original = getattr(owner, name)
+    if getattr(original, flag, False):
+        return None
+    new = functools.wraps(original)(make(original))
+    setattr(new, flag, True)
+    setattr(owner, name, new)
+    return original, new
+
+
 def _record_stream_off_cuda() -> None:
     import torch
 
-    original = torch.Tensor.record_stream
-    if getattr(original, "_kdtree_live", False):
-        return
+    def make(original):
+        def record_stream(self, stream):
+            if self.device.type == "cuda":
+                return original(self, stream)
+            return None  # the caching allocator this informs is CUDA's: nothing to do on the CPU
 
-    def record_stream(self, stream):
-        if self.device.type == "cuda":
-            return original(self, stream)
-        return None  # the caching allocator this informs is CUDA's: nothing to do on the CPU
+        return record_stream
 
-    record_stream._kdtree_live = True
-    torch.Tensor.record_stream = record_stream
+    _replace_once(torch.Tensor, "record_stream", make)
 
 
 def _dflash_on_cpu() -> None:
     hook = importlib.import_module("sglang.srt.arg_groups.speculative_hook")
-    original = hook._handle_dflash
-    if getattr(original, "_kdtree_live", False):
-        return
 
-    @functools.wraps(original)
-    def _handle_dflash(server_args):
-        if server_args.device != "cpu":
-            return original(server_args)
-        server_args.device = "cuda"  # the check's only use of the device: the rest is device-free
-        server_args._kdtree_live_cpu = True  # for draft_backend_on_cpu, which runs inside
-        try:
-            return original(server_args)
-        finally:
-            server_args.device = "cpu"
+    def make(original):
+        def _handle_dflash(server_args):
+            if server_args.device != "cpu":
+                return original(server_args)
+            server_args.device = "cuda"  # the check's only use of the device: the rest is device-free
+            server_args._kdtree_live_cpu = True  # for draft_backend_on_cpu, which runs inside
+            try:
+                return original(server_args)
+            finally:
+                server_args.device = "cpu"
 
-    _handle_dflash._kdtree_live = True
-    hook._handle_dflash = _handle_dflash
+        return _handle_dflash
+
+    _replace_once(hook, "_handle_dflash", make)
 
 
 def _draft_backend_on_cpu() -> None:
     hook = importlib.import_module("sglang.srt.arg_groups.speculative_hook")
-    original = hook._resolve_dflash_draft_attention_backend
-    if getattr(original, "_kdtree_live", False):
-        return
 
-    @functools.wraps(original)
-    def _resolve_dflash_draft_attention_backend(server_args):
-        original(server_args)
-        if _on_cpu(server_args):
-            server_args.speculative_draft_attention_backend = "torch_native"
+    def make(original):
+        def _resolve_dflash_draft_attention_backend(server_args):
+            original(server_args)
+            if _on_cpu(server_args):
+                server_args.speculative_draft_attention_backend = "torch_native"
 
-    _resolve_dflash_draft_attention_backend._kdtree_live = True
-    hook._resolve_dflash_draft_attention_backend = _resolve_dflash_draft_attention_backend
+        return _resolve_dflash_draft_attention_backend
+
+    _replace_once(hook, "_resolve_dflash_draft_attention_backend", make)
     common = importlib.import_module("sglang.srt.speculative.draft_worker_common")  # the worker's own check
     if "torch_native" not in common._SUPPORTED_DRAFT_BACKENDS:
         common._SUPPORTED_DRAFT_BACKENDS = (*common._SUPPORTED_DRAFT_BACKENDS, "torch_native")
@@ -143,21 +150,22 @@ def _gpu_builder_off_cuda() -> None:
 
 def _triton_helpers_off_cpu() -> None:
     common = importlib.import_module("sglang.srt.utils.common")
-    original = common.support_triton
-    if getattr(original, "_kdtree_live", False):
-        return
     args = importlib.import_module("sglang.srt.runtime_context")
 
-    @functools.wraps(original)
-    def support_triton(backend: str) -> bool:
-        return original(backend) and not _on_cpu(args.get_server_args())
+    def make(original):
+        def support_triton(backend: str) -> bool:
+            return original(backend) and not _on_cpu(args.get_server_args())
 
-    support_triton._kdtree_live = True
-    for name in SUPPORT_TRITON_USERS:
+        return support_triton
+
+    replaced = _replace_once(common, "support_triton", make)
+    if replaced is None:
+        return
+    original, support_triton = replaced
+    for name in SUPPORT_TRITON_USERS:  # modules that imported the function by name
         module = importlib.import_module(name)
         if getattr(module, "support_triton", None) is original:
             module.support_triton = support_triton
-    common.support_triton = support_triton
 
 
 SUPPORT_TRITON_USERS = ("sglang.srt.utils", "sglang.srt.mem_cache.allocation",
@@ -190,43 +198,38 @@ def _torch_native_target_verify() -> None:
     import torch
 
     native = importlib.import_module("sglang.srt.layers.attention.torch_native_backend")
-    cls = native.TorchNativeAttnBackend
-    original = cls.forward_extend
-    if getattr(original, "_kdtree_live", False):
-        return
 
-    @functools.wraps(original)
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        if not forward_batch.forward_mode.is_target_verify() or forward_batch.extend_prefix_lens is not None:
-            return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-        block = copy.copy(forward_batch)  # seq_lens: the prefix; the block of t tokens per request after it
-        t = q.shape[0] // forward_batch.batch_size
-        block.extend_prefix_lens = forward_batch.seq_lens
-        block.extend_seq_lens = torch.full_like(forward_batch.seq_lens, t)
-        block.seq_lens = forward_batch.seq_lens + t
-        return original(self, q, k, v, layer, block, save_kv_cache, **kwargs)
+    def make(original):
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            verify = forward_batch.forward_mode.is_target_verify()
+            if not verify or forward_batch.extend_prefix_lens is not None:
+                return original(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            block = copy.copy(forward_batch)  # seq_lens: the prefix; the block of t tokens after it
+            t = q.shape[0] // forward_batch.batch_size
+            block.extend_prefix_lens = forward_batch.seq_lens
+            block.extend_seq_lens = torch.full_like(forward_batch.seq_lens, t)
+            block.seq_lens = forward_batch.seq_lens + t
+            return original(self, q, k, v, layer, block, save_kv_cache, **kwargs)
 
-    forward_extend._kdtree_live = True
-    cls.forward_extend = forward_extend
+        return forward_extend
+
+    _replace_once(native.TorchNativeAttnBackend, "forward_extend", make)
 
 
 def _input_embeds_in_model_dtype() -> None:
     runner = importlib.import_module("sglang.srt.model_executor.model_runner")
-    cls = runner.ModelRunner
-    original = cls._extend_forward_kwargs
-    if getattr(original, "_kdtree_live", False):
-        return
 
-    @functools.wraps(original)
-    def _extend_forward_kwargs(self, forward_batch, pp_proxy_tensors):
-        kwargs = original(self, forward_batch, pp_proxy_tensors)
-        embeds = kwargs.get("input_embeds")
-        if embeds is not None and embeds.dtype != self.dtype:
-            kwargs["input_embeds"] = embeds.to(self.dtype)  # the model's dtype, not always bf16
-        return kwargs
+    def make(original):
+        def _extend_forward_kwargs(self, forward_batch, pp_proxy_tensors):
+            kwargs = original(self, forward_batch, pp_proxy_tensors)
+            embeds = kwargs.get("input_embeds")
+            if embeds is not None and embeds.dtype != self.dtype:
+                kwargs["input_embeds"] = embeds.to(self.dtype)  # the model's dtype, not always bf16
+            return kwargs
 
-    _extend_forward_kwargs._kdtree_live = True
-    cls._extend_forward_kwargs = _extend_forward_kwargs
+        return _extend_forward_kwargs
+
+    _replace_once(runner.ModelRunner, "_extend_forward_kwargs", make)
 
 
 def _on_cpu(server_args) -> bool:
