@@ -118,29 +118,3 @@ def test_draft_uses_target_embedding_and_lm_head():
     block[:, 0] = bonus
     hidden = drafter(target.embed_tokens(block), ctx, torch.tensor([4, 4]), start, drafter.new_cache(2, 16))
     torch.testing.assert_close(logits, target.lm_head(hidden[:, 1:]))
-
-
-def test_cache_select_keeps_the_rows_of_the_chosen_requests():
-    drafter = random_drafter(CFG, seed=6)
-    f = len(CFG.target_layer_ids) * CFG.hidden_size
-    gen = torch.Generator().manual_seed(1)
-    ctx, block = (
-        torch.randn(3, 4, f, generator=gen),
-        torch.randn(3, CFG.block_size, CFG.hidden_size, generator=gen),
-    )
-    lens, start = torch.tensor([4, 2, 3]), torch.tensor([4, 2, 3])
-    cache = drafter.new_cache(3, 16)
-    drafter(block, ctx, lens, start, cache)
-    kept = cache.select(torch.tensor([2, 0]))
-    ctx2, block2 = (
-        torch.randn(2, 1, f, generator=gen),
-        torch.randn(2, CFG.block_size, CFG.hidden_size, generator=gen),
-    )
-    out = drafter(block2, ctx2, torch.tensor([1, 1]), torch.tensor([4, 5]), kept)
-    for row, r in enumerate((2, 0)):
-        alone = drafter.new_cache(1, 16)
-        drafter(block[r : r + 1], ctx[r : r + 1], lens[r : r + 1], start[r : r + 1], alone)
-        again = drafter(
-            block2[row : row + 1], ctx2[row : row + 1], torch.tensor([1]), start[r : r + 1] + 1, alone
-        )
-        torch.testing.assert_close(out[row : row + 1], again)

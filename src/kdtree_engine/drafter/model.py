@@ -58,11 +58,6 @@ class DrafterCache:
     def max_len(self) -> int:
         return int(self.k.shape[2]) - self.spare
 
-    def select(self, index: torch.Tensor) -> DrafterCache:
-        """The cache of batch rows `index` [n] int64 only (the engine drops finished requests)."""
-        k, v = self.k.index_select(1, index), self.v.index_select(1, index)
-        return DrafterCache(k, v, self.seqlens[index], self.spare)
-
 
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:

@@ -50,13 +50,10 @@ def demo_target(device="cpu", dtype=torch.float32):
 
 @dataclass
 class RequestRows:
-    """A drafter "cache" that only tracks which request each batch row is (rows are dropped as
-    requests finish), for drafters that look requests up by index."""
+    """A drafter "cache" that only tracks which request each batch row is, for drafters that look
+    requests up by index."""
 
     rows: list[int]
-
-    def select(self, index: torch.Tensor) -> RequestRows:
-        return RequestRows([self.rows[i] for i in index.tolist()])
 
 
 @dataclass
@@ -64,9 +61,6 @@ class RequestIndex:
     """The device-resident twin of RequestRows: index [B] int64, the request of each batch row."""
 
     index: torch.Tensor
-
-    def select(self, index: torch.Tensor) -> RequestIndex:
-        return RequestIndex(self.index[index])
 
 
 class NoisyOracleDrafter:
