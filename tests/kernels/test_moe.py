@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe_tile_map import assert_tiles_cover_each_row_once  # same folder (no package)
 from torch import nn
 
 from kdtree_engine.kernels import moe as kernels
@@ -127,17 +128,10 @@ def test_tile_map(n, k, n_experts, kind, block_m, device):
     counts = torch.bincount(flat, minlength=n_experts)
     assert torch.equal(bounds.long(), torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]))
     assert len(tile_expert) == kernels.max_tiles(n * k, n_experts, block_m)
-    covered = torch.zeros(n * k, dtype=torch.long)
     real = tile_expert < n_experts
     assert bool(real.sum() == (counts + block_m - 1).div(block_m, rounding_mode="floor").sum())
     assert bool(real[: int(real.sum())].all())  # the real tiles come first
-    for t in range(int(real.sum())):
-        e, r0 = int(tile_expert[t]), int(tile_row[t])
-        r1 = min(r0 + block_m, int(bounds[e + 1]))
-        assert int(bounds[e]) <= r0 < r1
-        covered[r0:r1] += 1
-        assert bool((flat[order[r0:r1]] == e).all())
-    assert bool((covered == 1).all())
+    assert_tiles_cover_each_row_once(flat, order, bounds, tile_expert, tile_row, int(real.sum()), block_m)
 
 
 KERNEL_CASES = [  # (n, k, E, H, I, kind); the launch (BLOCK_M) follows n k and E

@@ -74,7 +74,13 @@ def test_reference_is_the_stable_argsort_and_tiles_cover_each_row_once():
     assert len(tile_expert) == kernels.max_tiles(n * k, n_experts, block_m)
     real = int((tile_expert < n_experts).sum())
     assert bool((tile_expert[real:] == n_experts).all()) and bool((tile_row[real:] == 0).all())
-    covered = torch.zeros(n * k, dtype=torch.long)
+    assert_tiles_cover_each_row_once(flat, order, bounds, tile_expert, tile_row, real, block_m)
+
+
+def assert_tiles_cover_each_row_once(flat, order, bounds, tile_expert, tile_row, real: int, block_m: int):
+    """The first `real` tiles each lie inside one expert's sorted rows, hold only that expert's
+    assignments, and together cover every sorted row exactly once (flat: the ids, flattened)."""
+    covered = torch.zeros(len(flat), dtype=torch.long)
     for t in range(real):
         e, r0 = int(tile_expert[t]), int(tile_row[t])
         r1 = min(r0 + block_m, int(bounds[e + 1]))
