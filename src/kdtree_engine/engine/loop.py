@@ -263,7 +263,8 @@ class _Stages:
         for n in self.buckets:
             tag = f"@{n}" if auto else ""
             if auto and n == 0:
-                self.orders[0] = [_Stage("verify", self.decode_into_context, True, "verify@0"),
+                decode = functools.partial(self.decode, into_context=True)
+                self.orders[0] = [_Stage("verify", decode, True, "verify@0"),
                                   _Stage("accept", self.accept_one, accept, "accept@0")]  # fmt: skip
                 continue
             verify, accept_n = functools.partial(self.verify, n), functools.partial(self.accept, n)
@@ -274,12 +275,6 @@ class _Stages:
                 _Stage("verify", verify, True, "verify" + tag),
                 _Stage("accept", accept_n, accept, "accept" + tag),
             ]
-
-    @property
-    def order(self) -> list[_Stage]:
-        """The stages of the one bucket of a fixed budget."""
-        (only,) = self.orders.values()
-        return only
 
     def _choose(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         """_accept, with the sampled draw's keys read on the device when the stages are captured."""
@@ -395,25 +390,20 @@ class _Stages:
         bits = sums.double().view(torch.int64)
         s.put("committed", torch.cat([count[:, None], tokens, pad, bits], dim=1))
 
-    def decode(self) -> None:
+    def decode(self, into_context: bool = False) -> None:
+        """One decode forward of the bonus tokens. into_context (the auto budget's autoregressive step):
+        it also captures the drafter's target layers and appends the token's features to the drafter's
+        context (the next draft reads every row committed since the last one)."""
         run, s = self.run, self.s
         lengths = s.active.long()  # a done request rewrites its row and keeps its length
-        self.logits = run.target(
-            s.bonus[:, None], s.cache, lengths=lengths, impl=run.impl, validate=False
-        ).logits
-
-    def decode_into_context(self) -> None:
-        """The auto budget's autoregressive step: one decode forward that also captures the drafter's
-        target layers and appends the bonus token's features to the drafter's context (the next draft
-        reads every row committed since the last one)."""
-        run, s = self.run, self.s
-        lengths = s.active.long()
-        out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=run.capture,
+        capture = run.capture if into_context else ()
+        out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=capture,
                          impl=run.impl, validate=False)  # fmt: skip
         self.logits = out.logits
-        at = s.ctx_lens.clamp(max=s.ctx.shape[1] - 1)[:, None, None].expand(-1, 1, s.ctx.shape[-1])
-        s.ctx.scatter_(1, at, out.hidden)
-        s.ctx_lens.add_(lengths)
+        if into_context:
+            at = s.ctx_lens.clamp(max=s.ctx.shape[1] - 1)[:, None, None].expand(-1, 1, s.ctx.shape[-1])
+            s.ctx.scatter_(1, at, out.hidden)
+            s.ctx_lens.add_(lengths)
 
     def accept_one(self) -> None:
         s = self.s
@@ -577,7 +567,7 @@ class _Rounds:
     def pick(self) -> int:
         """The next round's bucket (the one bucket of a fixed budget)."""
         if self.policy is None:
-            return self.stages.buckets[0] if self.run.config.method != "autoregressive" else 0
+            return self.stages.buckets[0]
         return self.policy.pick(self.run.reqs.active, must_draft=self.state.prompt_ctx is not None)
 
     def enqueue(self, bucket: int) -> None:
@@ -808,6 +798,8 @@ def generate(
     checks.check_drafter(target, drafter, config.method)  # the target first (checks.check_target)
     cfg = target.config
     prompts = checks.check_prompts(prompts, cfg.vocab_size, getattr(cfg, "max_position_embeddings", None))
+    # stop tokens and strings are checked again by Runner.generate; here they keep their errors ahead
+    # of the Runner's size and memory checks, in generate()'s documented order
     checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
     _stop_matchers(config, tokenizer, len(prompts))
     runner = Runner(target, drafter, config, batch_size=len(prompts), prompt_len=max(len(p) for p in prompts))
