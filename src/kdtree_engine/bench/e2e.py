@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -128,13 +129,9 @@ def summarize(outputs) -> dict:
         "stages_ms": per_round,
         "overhead": (round_ms - core) / round_ms if round_ms else float("nan"),
         "graphs": all(s.cuda_graphs for s in stats),
-        "budgets": _histogram([k for s in stats for k in s.budgets]),
+        "budgets": dict(sorted(sum((Counter(s.budget_histogram) for s in stats), Counter()).items())),
         "budget_report": _merged_report([s.budget_report for s in stats if s.budget_report]),
     }
-
-
-def _histogram(values: list[int]) -> dict[int, int]:
-    return {k: values.count(k) for k in sorted(set(values))}
 
 
 def _merged_report(reports: list[dict]) -> dict:

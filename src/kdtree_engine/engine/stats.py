@@ -129,9 +129,10 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return self.total_new_tokens / self.wall_time if self.wall_time > 0 else float("nan")
 
-    def _budget_histogram(self) -> str:
-        counts = Counter(self.budgets)
-        return " ".join(f"{k}:{counts[k]}" for k in sorted(counts))
+    @property
+    def budget_histogram(self) -> dict[int, int]:
+        """Budget "auto": rounds per chosen bucket."""
+        return dict(sorted(Counter(self.budgets).items()))
 
     def summary(self) -> str:
         timed = [f"{k} {v * 1e3:.1f} ms" for k, v in self.stage_times.items() if v > 0]
@@ -144,7 +145,11 @@ class GenerationStats:
             + (f" (histogram {hist})" if hist else "")
             + f"; {self.tokens_per_s:.1f} tokens/s"
             + (" (CUDA graphs)" if self.cuda_graphs else "")
-            + (f"; budgets chosen {self._budget_histogram()}" if self.budgets else "")
+            + (
+                "; budgets chosen " + " ".join(f"{k}:{v}" for k, v in self.budget_histogram.items())
+                if self.budgets
+                else ""
+            )
             + f"; stages: {stages}"
         )
 
