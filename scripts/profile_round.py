@@ -70,9 +70,9 @@ def labelled_stages():
 
     run = loop._Graphs.run
 
-    def labelled(self, name, fn):
-        with torch.profiler.record_function(f"stage:{name}"):
-            run(self, name, fn)
+    def labelled(self, stage):
+        with torch.profiler.record_function(f"stage:{stage.name}"):
+            run(self, stage)
 
     loop._Graphs.run = labelled
     try:
