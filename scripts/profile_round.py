@@ -32,8 +32,8 @@ def load_pair(target: str, device: torch.device, new_tokens: int):
     """(target, drafter, prompts) for --target: kimi-nano with its trained drafter and held-out prompts,
     or the scaled-down Kimi shape with bench e2e's stand-in drafter and random 64-token prompts."""
     if target == "nano":
-        from kdtree_engine.bench.e2e_nano import drafter_path, nano_drafter, nano_prompts
         from kdtree_engine.assets import KIMI_NANO
+        from kdtree_engine.bench.e2e_nano import drafter_path, nano_drafter, nano_prompts
         from kdtree_engine.engine.tokenizer import load_tokenizer
         from kdtree_engine.model import load_model
 
@@ -100,7 +100,9 @@ def timeline(trace: dict) -> str:
         launch = [r for r in calls if r["name"] == "cudaGraphLaunch"]
         if not launch:
             continue  # an eager stage (first round)
-        ks = sorted((k for r in calls for k in by_corr.get(r["args"].get("correlation"), [])), key=lambda k: k["ts"])
+        ks = sorted(
+            (k for r in calls for k in by_corr.get(r["args"].get("correlation"), [])), key=lambda k: k["ts"]
+        )
         if not ks:
             continue
         d = per[st["name"][6:]]
@@ -110,17 +112,23 @@ def timeline(trace: dict) -> str:
         d["busy_us"].append(sum(k["dur"] for k in ks))
         d["kernels"].append(len(ks))
     waits = [r["dur"] for r in runtime if r["name"] in ("cudaEventSynchronize", "cudaStreamSynchronize")]
-    lines = ["| stage | host launch us | launch to first kernel us | GPU span us | kernel busy us | kernels |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| stage | host launch us | launch to first kernel us | GPU span us | kernel busy us | kernels |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, d in per.items():
         med = {k: statistics.median(v) for k, v in d.items()}
-        lines.append(f"| {name} | {med['launch_us']:.1f} | {med['queue_us']:.1f} | {med['span_us']:.1f} | "
-                     f"{med['busy_us']:.1f} | {med['kernels']:.0f} |")
+        lines.append(
+            f"| {name} | {med['launch_us']:.1f} | {med['queue_us']:.1f} | {med['span_us']:.1f} | "
+            f"{med['busy_us']:.1f} | {med['kernels']:.0f} |"
+        )
     firsts = [st for st in stages if st["name"] == stages[0]["name"]]
     periods = [b["ts"] - a["ts"] for a, b in zip(firsts, firsts[1:])]
     if periods and waits:
-        lines.append(f"\nround period (first stage to first stage, median) {statistics.median(periods):.1f} us; "
-                     f"host waits for the device: median {statistics.median(waits):.1f} us over {len(waits)}")
+        lines.append(
+            f"\nround period (first stage to first stage, median) {statistics.median(periods):.1f} us; "
+            f"host waits for the device: median {statistics.median(waits):.1f} us over {len(waits)}"
+        )
     return "\n".join(lines)
 
 
@@ -158,9 +166,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             prof.export_chrome_trace(f"{tmp}/trace.json")
             trace = json.loads(Path(f"{tmp}/trace.json").read_text())
-        out.append(f"\n## batch {batch}: {rounds} rounds, tau {sum(st.accept_lengths) / len(st.accept_lengths):.2f}")
+        out.append(
+            f"\n## batch {batch}: {rounds} rounds, tau {sum(st.accept_lengths) / len(st.accept_lengths):.2f}"
+        )
         out.append("stage ms per round (timer on): " + ", ".join(f"{k} {v:.3f}" for k, v in stages.items()))
-        out.append(f"ms per decoding round, timer off: {1e3 * untimed.round_time:.3f} ({untimed.rounds} rounds)\n")
+        out.append(
+            f"ms per decoding round, timer off: {1e3 * untimed.round_time:.3f} ({untimed.rounds} rounds)\n"
+        )
         out.append(timeline(trace))
         out.append("\nkernels of the whole generate() call, per round:\n")
         cuda = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -172,7 +184,9 @@ def main() -> None:
             forward()
             torch.cuda.synchronize()
         us = time_graph(forward).median_us
-        out.append(f"\nisolated verify forward of {a.budget + 1} nodes (graph replay {us:.0f} us), eager kernels:\n")
+        out.append(
+            f"\nisolated verify forward of {a.budget + 1} nodes (graph replay {us:.0f} us), eager kernels:\n"
+        )
         cuda = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         out.append(table(kernel_rows(cuda, 1), a.rows))
         print("\n".join(out[-6:]), flush=True)
