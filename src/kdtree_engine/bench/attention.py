@@ -17,14 +17,13 @@ rate) / our time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
 from pathlib import Path
 
 import torch
 
-from kdtree_engine.bench.plot import markdown_table
+from kdtree_engine.bench.plot import markdown_table, utc_stamp
 
 D_C, D_R = 512, 64
 D = D_C + D_R
@@ -202,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = utc_stamp()
     roof = measure_roofline(device)
     header = (
         f"Tree-verify MLA attention, {name}, {stamp}, torch {torch.__version__}, bf16, d=512+64, "

@@ -16,14 +16,13 @@ DFlash's block) against their memory rooflines, and the drafter's draft against 
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
 import torch
 
 from kdtree_engine.bench import e2e, forward_cost
-from kdtree_engine.bench.plot import markdown_table, plot_series
+from kdtree_engine.bench.plot import markdown_table, plot_series, utc_stamp
 
 
 def prompt_batches(prompts: list[list[int]], batch: int) -> list[list[list[int]]]:
@@ -196,7 +195,7 @@ def device_label(device: torch.device) -> str:
 def _header(target, drafter, drafter_label: str, prompts, args, device, dtype) -> str:
     c = target.config
     params = sum(p.numel() for p in target.parameters())
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = utc_stamp()
     lengths = [len(p) for p in prompts]
     return (
         f"bench e2e --target nano, {device_label(device)}, {stamp}, torch {torch.__version__}, "

@@ -17,14 +17,13 @@ roofline (decode / roofline columns); and the engine efficiency = measured speed
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 from pathlib import Path
 
 import torch
 
 from kdtree_engine.bench import e2e, forward_cost
-from kdtree_engine.bench.plot import markdown_table, plot_series
+from kdtree_engine.bench.plot import markdown_table, plot_series, utc_stamp
 from kdtree_engine.bench.timing import device_copy_bandwidth
 
 DRAFTER_LABEL = "the stand-in drafter (NoisyOracleDrafter: a table lookup, not a model)"
@@ -190,7 +189,7 @@ def main(args: argparse.Namespace, device: torch.device) -> int:
             "--target small: the 2.5B-parameter random target runs on a CUDA GPU only "
             f"(device: {device}); on the CPU use --target nano"
         )
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = utc_stamp()
     config = kimi_small_config(num_hidden_layers=args.layers)
     t0 = time.perf_counter()
     target = random_target(config, device)

@@ -3,8 +3,14 @@ is written and the caller is told so)."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from pathlib import Path
+
+
+def utc_stamp() -> str:
+    """Now, as every report header states when it was measured: "YYYY-MM-DD HH:MM UTC"."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def plot_series(

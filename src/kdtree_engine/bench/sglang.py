@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kdtree_engine.bench.peers import load_sglang_port, port_tree_buffers
-from kdtree_engine.bench.plot import markdown_table, plot_series
+from kdtree_engine.bench.plot import markdown_table, plot_series, utc_stamp
 from kdtree_engine.bench.timing import time_host
 
 STAGES = ("topk", "build", "compile", "follow", "sample", "greedy path")
@@ -235,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = utc_stamp()
     header = (
         f"SGLang DDTree port vs kdtree-engine drop-in, L={args.depth}, V={args.vocab}, bf16 draft logits: "
         f"{torch.cuda.get_device_name(device)}, {stamp}\n\n"

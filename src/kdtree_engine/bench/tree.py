@@ -30,7 +30,6 @@ one untimed run, the device synchronized around each. Ratios come from the same 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from kdtree_engine.bench.plot import markdown_table, plot_series
+from kdtree_engine.bench.plot import markdown_table, plot_series, utc_stamp
 from kdtree_engine.bench.timing import time_graph, time_host
 
 # Default sizes per device: the GPU's cover serving engines; the CPU's finish in seconds (the kernels
@@ -277,7 +276,7 @@ def main(args: argparse.Namespace) -> int:
         if device.type == "cuda"
         else f"CPU (Triton interpreter), torch {torch.__version__}"
     )
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = utc_stamp()
     header = (
         f"DDTree tree ops, L={args.depth}, V={args.vocab}, bf16 logits: {name}, {stamp}\n\n"
         f"command: kdtree-engine bench tree {' '.join(sys.argv[3:]) if len(sys.argv) > 3 else ''}".rstrip()
