@@ -43,6 +43,8 @@ def test_summary_median_and_quantiles():
     assert t.q20_us == pytest.approx(1.2) and t.q80_us == pytest.approx(4.8)
     one = timing._summary([7.0], "host")
     assert (one.median_us, one.q20_us, one.q80_us) == (7.0, 7.0, 7.0)
+    two = timing._summary([1.0, 30.0], "host")  # quantiles stay within the samples
+    assert (two.q20_us, two.q80_us) == (1.0, 30.0)
 
 
 # --- argument checks ------------------------------------------------------------------------------------

@@ -60,6 +60,8 @@ class Timing:
 def _summary(per_call_us: Sequence[float], method: str) -> Timing:
     times = sorted(float(t) for t in per_call_us)
     q20, q80 = (times[0], times[0]) if len(times) < 2 else statistics.quantiles(times, n=5)[::3]
+    # the exclusive method extrapolates past the samples when there are few (two far apart: q20 < 0)
+    q20, q80 = max(q20, times[0]), min(q80, times[-1])
     return Timing(statistics.median(times), q20, q80, len(times), method)
 
 
