@@ -60,11 +60,11 @@ def path_probabilities(draft_logits: torch.Tensor, tokens: torch.Tensor, depths:
 
 def bucket_sums(probs: torch.Tensor, buckets: Sequence[int]) -> torch.Tensor:
     """probs [B, n] (nodes in best-first order) -> [B, len(buckets)] float32: the sum of the first
-    min(k, n) probabilities for each bucket k."""
+    min(k, n) probabilities for each bucket k. Device ops only (capturable: no index tensor copied
+    from the host)."""
     b, n = probs.shape
     cum = torch.cat([probs.new_zeros(b, 1), probs.float().cumsum(dim=1)], dim=1)  # [B, n + 1]
-    idx = torch.tensor([min(k, n) for k in buckets], device=probs.device)
-    return cum.index_select(1, idx)
+    return torch.stack([cum[:, min(k, n)] for k in buckets], dim=1)
 
 
 @dataclass
