@@ -13,8 +13,12 @@ from kdtree_engine.engine import SamplingParams, accept_tokens
 from kdtree_engine.engine.budget import (
     AUTO_BUCKETS,
     COST_WINDOW,
+    PRIOR_PAIRS,
+    SLOPE_PAIRS,
+    BudgetPolicy,
     Calibration,
     CostTable,
+    _Fit,
     bucket_sums,
     choose,
     expected_tokens,
@@ -115,9 +119,72 @@ def test_choice_maximizes_tokens_per_second():
     buckets = (0, 8, 32)
     cal = Calibration(buckets)
     sums = [[0.0, 2.0, 3.0], [0.0, 1.0, 1.2]]  # two requests' S at each bucket
-    expected = expected_tokens(sums, buckets, cal)
+    expected = expected_tokens(sums, cal)
     assert expected == [2.0, 5.0, 6.2]
     assert choose(expected, [1.0, 2.0, 3.0]) == 1  # 2.5 tokens per unit against 2.0 and 2.07
     assert choose(expected, [1.0, 3.0, 4.0]) == 0  # speculation off: 2.0 against 1.67 and 1.55
     assert choose(expected, [1.0, 2.0, 0.0]) == 2  # never measured: tried first
     assert choose([2.0, 4.0], [1.0, 2.0]) == 0  # a tie: the smaller bucket
+
+
+def test_fit_slope_is_least_squares_shrunk_and_never_negative():
+    fit = _Fit()
+    for x in (1.0, 2.0, 4.0):
+        fit.add(x, 2 * x + 1)
+    assert fit.slope() == pytest.approx(2 * 3 / (3 + SLOPE_PAIRS))
+    flat = _Fit()
+    for x in (1.0, 1.0):
+        flat.add(x, 3.0)
+    assert flat.slope() == 0.0  # no spread in x: no slope
+    falling = _Fit()
+    for x in (1.0, 2.0):
+        falling.add(x, 5 - x)
+    assert falling.slope() == 0.0
+
+
+def test_expected_mean_is_shrunk_towards_the_calibrated_level():
+    """A bucket's mean acceptance is its pairs' mean pulled towards r * level by PRIOR_PAIRS
+    pseudo-pairs: one unlucky round does not rule a bucket out."""
+    buckets = (0, 8)
+    cal = Calibration(buckets)
+    for _ in range(3):
+        cal.observe_draft([0.0, 4.0])  # level of S at bucket 8: 4
+    cal.observe(8, accepted=[3, 3, 3], predicted=[2.0, 2.0, 2.0])  # r = 1.5: prior 6
+    assert cal.expected(1, 1.0) == pytest.approx(1 + 1.5 * 1.0)  # no pairs yet: 1 + r x
+    cal.observe_choice(8, 4.0, 0)  # one round that accepted nothing
+    assert cal.expected(1, 4.0) == pytest.approx(1 + (0 + PRIOR_PAIRS * 6.0) / (1 + PRIOR_PAIRS))
+    assert cal.expected(0, 123.0) == 1.0  # an autoregressive step commits one token
+
+
+def test_a_bad_draft_does_not_keep_speculation_off():
+    """One request whose last draft was poor: the policy steps autoregressively, and as that S grows
+    stale it returns to the bucket's level and the policy drafts again, long before L + 1 rounds."""
+    policy = BudgetPolicy((0, 16), depth=16)
+    policy.costs.observe(0, 1.0)
+    policy.costs.observe(16, 3.5)
+    cal = policy.calibration
+    for x in (2.0, 6.0) * 8:  # acceptance follows the S seen: slope 1 (0.5 once shrunk), level 4
+        cal.observe_choice(16, x, x)
+        cal.observe_draft([0.0, x])
+    cal.observe(16, [4], [4.0])
+    policy.sums[0] = [0.0, 4.0]
+    assert policy.pick([True], must_draft=False) == 16  # 5 tokens for 3.5 against 1 for 1
+    policy.sums[0], policy.age[0] = [0.0, 0.05], 0  # a poor draft read
+    picks = [policy.pick([True], must_draft=False) for _ in range(3)]
+    assert picks == [0, 16, 16]
+
+
+def test_choices_learn_from_what_they_saw():
+    """The fit pairs the S each choice saw (an earlier round's, rounds are pipelined) with the
+    acceptance of the round it chose, in pick order."""
+    policy = BudgetPolicy((0, 8), depth=8)
+    policy.costs.observe(0, 1.0)
+    policy.costs.observe(8, 1.0)
+    policy.pick([True, True], must_draft=True)  # nothing read yet: sees zeros
+    policy.sums = {0: [0.0, 3.0], 1: [0.0, 1.0]}
+    policy.pick([True, True], must_draft=True)  # sees 3 and 1
+    policy.observe(8, None, [0, 1], [2, 2], [[0.0, 2.5], [0.0, 2.5]])
+    policy.observe(8, None, [0, 1], [4, 1], [[0.0, 2.5], [0.0, 2.5]])
+    fit = policy.calibration.fits[8]
+    assert (fit.n, fit.sx, fit.sy, fit.sxy) == (4, 4.0, 5.0, 9.0)
+    assert not policy.pending
