@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,6 @@ from kdtree_engine.engine.budget import (
     BudgetPolicy,
     Calibration,
     CostTable,
-    _Fit,
     bucket_sums,
     choose,
     expected_tokens,
@@ -93,14 +93,14 @@ def test_estimator_is_exact_when_the_drafter_is_the_target(budget):
 
 
 def test_calibration_is_accepted_over_predicted_per_bucket_and_borrows_the_nearest():
-    cal = Calibration(AUTO_BUCKETS)
-    assert cal.ratio(16) == 1.0  # nothing observed: a calibrated drafter
-    cal.observe(8, accepted=[2, 1], predicted=[3.0, 3.0])
-    cal.observe(8, accepted=[3], predicted=[2.0])
-    assert cal.ratio(8) == pytest.approx(6 / 8)
-    assert cal.ratio(4) == cal.ratio(32) == pytest.approx(6 / 8)  # the nearest tried bucket
-    cal.observe(32, accepted=[4], predicted=[8.0])
-    assert cal.ratio(16) == pytest.approx(6 / 8) and cal.ratio(64) == pytest.approx(0.5)
+    cal = Calibration(AUTO_BUCKETS)  # (0, 4, 8, 16, 32, 64): bucket 8 is index 2
+    assert cal.ratio(3) == 1.0  # nothing observed: a calibrated drafter
+    cal.observe(2, accepted=np.array([2, 1]), predicted=np.array([3.0, 3.0]))
+    cal.observe(2, accepted=np.array([3]), predicted=np.array([2.0]))
+    assert cal.ratio(2) == pytest.approx(6 / 8)
+    assert cal.ratio(1) == cal.ratio(4) == pytest.approx(6 / 8)  # the nearest tried bucket
+    cal.observe(4, accepted=np.array([4]), predicted=np.array([8.0]))
+    assert cal.ratio(3) == pytest.approx(6 / 8) and cal.ratio(5) == pytest.approx(0.5)
 
 
 def test_costs_are_medians_and_unmeasured_buckets_get_tried():
@@ -127,33 +127,30 @@ def test_choice_maximizes_tokens_per_second():
     assert choose([2.0, 4.0], [1.0, 2.0]) == 0  # a tie: the smaller bucket
 
 
+def _slope(xs, ys) -> float:
+    cal = Calibration((0, 8))
+    cal.observe_choices(1, np.array(xs, dtype=float), np.array(ys, dtype=float))
+    return float(cal.slopes()[1])
+
+
 def test_fit_slope_is_least_squares_shrunk_and_never_negative():
-    fit = _Fit()
-    for x in (1.0, 2.0, 4.0):
-        fit.add(x, 2 * x + 1)
-    assert fit.slope() == pytest.approx(2 * 3 / (3 + SLOPE_PAIRS))
-    flat = _Fit()
-    for x in (1.0, 1.0):
-        flat.add(x, 3.0)
-    assert flat.slope() == 0.0  # no spread in x: no slope
-    falling = _Fit()
-    for x in (1.0, 2.0):
-        falling.add(x, 5 - x)
-    assert falling.slope() == 0.0
+    assert _slope([1.0, 2.0, 4.0], [3.0, 5.0, 9.0]) == pytest.approx(2 * 3 / (3 + SLOPE_PAIRS))
+    assert _slope([1.0, 1.0], [3.0, 3.0]) == 0.0  # no spread in x: no slope
+    assert _slope([1.0, 2.0], [4.0, 3.0]) == 0.0  # a falling fit: none
+    assert Calibration((0, 8)).slopes().tolist() == [0.0, 0.0]  # no pairs
 
 
 def test_expected_mean_is_shrunk_towards_the_calibrated_level():
     """A bucket's mean acceptance is its pairs' mean pulled towards r * level by PRIOR_PAIRS
     pseudo-pairs: one unlucky round does not rule a bucket out."""
-    buckets = (0, 8)
-    cal = Calibration(buckets)
-    for _ in range(3):
-        cal.observe_draft([0.0, 4.0])  # level of S at bucket 8: 4
-    cal.observe(8, accepted=[3, 3, 3], predicted=[2.0, 2.0, 2.0])  # r = 1.5: prior 6
-    assert cal.expected(1, 1.0) == pytest.approx(1 + 1.5 * 1.0)  # no pairs yet: 1 + r x
-    cal.observe_choice(8, 4.0, 0)  # one round that accepted nothing
-    assert cal.expected(1, 4.0) == pytest.approx(1 + (0 + PRIOR_PAIRS * 6.0) / (1 + PRIOR_PAIRS))
-    assert cal.expected(0, 123.0) == 1.0  # an autoregressive step commits one token
+    cal = Calibration((0, 8))
+    cal.observe_drafts(np.array([[0.0, 4.0]] * 3))  # level of S at bucket 8: 4
+    cal.observe(1, accepted=np.array([3, 3, 3]), predicted=np.array([2.0, 2.0, 2.0]))  # r = 1.5: prior 6
+    assert cal.expected(np.array([[0.0, 1.0]]))[0, 1] == pytest.approx(1 + 1.5 * 1.0)  # no pairs: 1 + r x
+    cal.observe_choices(1, np.array([4.0]), np.array([0.0]))  # one round that accepted nothing
+    got = cal.expected(np.array([[123.0, 4.0]]))[0]
+    assert got[1] == pytest.approx(1 + (0 + PRIOR_PAIRS * 6.0) / (1 + PRIOR_PAIRS))
+    assert got[0] == 1.0  # an autoregressive step commits one token
 
 
 def test_a_bad_draft_does_not_keep_speculation_off():
@@ -163,13 +160,13 @@ def test_a_bad_draft_does_not_keep_speculation_off():
     policy.costs.observe(0, 1.0)
     policy.costs.observe(16, 3.5)
     cal = policy.calibration
-    for x in (2.0, 6.0) * 8:  # acceptance follows the S seen: slope 1 (0.5 once shrunk), level 4
-        cal.observe_choice(16, x, x)
-        cal.observe_draft([0.0, x])
-    cal.observe(16, [4], [4.0])
-    policy.sums[0] = [0.0, 4.0]
+    xs = np.array([2.0, 6.0] * 8)  # acceptance follows the S seen: slope 1 (0.5 once shrunk), level 4
+    cal.observe_choices(1, xs, xs)
+    cal.observe_drafts(np.stack([np.zeros(16), xs], axis=1))
+    cal.observe(1, np.array([4]), np.array([4.0]))
+    policy.observe(16, None, [0], [5], np.array([[0.0, 4.0]]))  # a round read: S = 4
     assert policy.pick([True], must_draft=False) == 16  # 5 tokens for 3.5 against 1 for 1
-    policy.sums[0], policy.age[0] = [0.0, 0.05], 0  # a poor draft read
+    policy.observe(16, None, [0], [1], np.array([[0.0, 0.05]]))  # a poor draft read
     picks = [policy.pick([True], must_draft=False) for _ in range(3)]
     assert picks == [0, 16, 16]
 
@@ -181,10 +178,12 @@ def test_choices_learn_from_what_they_saw():
     policy.costs.observe(0, 1.0)
     policy.costs.observe(8, 1.0)
     policy.pick([True, True], must_draft=True)  # nothing read yet: sees zeros
-    policy.sums = {0: [0.0, 3.0], 1: [0.0, 1.0]}
-    policy.pick([True, True], must_draft=True)  # sees 3 and 1
-    policy.observe(8, None, [0, 1], [2, 2], [[0.0, 2.5], [0.0, 2.5]])
-    policy.observe(8, None, [0, 1], [4, 1], [[0.0, 2.5], [0.0, 2.5]])
-    fit = policy.calibration.fits[8]
-    assert (fit.n, fit.sx, fit.sy, fit.sxy) == (4, 4.0, 5.0, 9.0)
+    policy.observe(8, None, [0, 1], [2, 2], np.array([[0.0, 3.0], [0.0, 1.0]]))
+    policy.pick([True, True], must_draft=True)  # sees 3 and 1 (age 0: read since)
+    policy.pick([True, True], must_draft=True)  # the same, aged one round: 2.5 and 1.5 (level 2)
+    policy.observe(8, None, [0, 1], [4, 1], np.array([[0.0, 2.0], [0.0, 3.0]]))
+    policy.observe(8, None, [0, 1], [3, 2], np.array([[0.0, 2.0], [0.0, 3.0]]))
+    cal = policy.calibration
+    assert cal.n[1] == 6 and cal.sx[1] == 0 + 0 + 3 + 1 + 2.5 + 1.5
+    assert cal.sxy[1] == 3 * 3 + 1 * 0 + 2.5 * 2 + 1.5 * 1
     assert not policy.pending

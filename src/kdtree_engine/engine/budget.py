@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 AUTO_BUCKETS = (0, 4, 8, 16, 32, 64)  # nodes verified per round besides the root
@@ -80,86 +81,83 @@ def bucket_sums(probs: torch.Tensor, buckets: Sequence[int]) -> torch.Tensor:
 
 
 @dataclass
-class _Fit:
-    """Running sums of (x, y) pairs: x the S a choice saw, y the drafted tokens then accepted."""
-
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        self.n += 1
-        self.sx, self.sy = self.sx + x, self.sy + y
-        self.sxx, self.sxy = self.sxx + x * x, self.sxy + x * y
-
-    def slope(self) -> float:
-        """The least-squares slope of y on x, >= 0, shrunk by n / (n + SLOPE_PAIRS); 0 without spread."""
-        var = self.sxx - self.sx * self.sx / self.n
-        if var <= 1e-12 * max(1.0, self.sxx):
-            return 0.0
-        cov = self.sxy - self.sx * self.sy / self.n
-        return max(0.0, cov / var) * self.n / (self.n + SLOPE_PAIRS)
-
-
-@dataclass
 class Calibration:
     """What the drafter's path probabilities are worth, learnt from the rounds read (see the module
-    docstring): per bucket, the accepted drafted tokens against the round's own S (the ratio r_n), the
-    level of S over every draft read, and the fit of the accepted tokens on the S the choice saw."""
+    docstring), per bucket index: the accepted drafted tokens against the round's own S (the ratio
+    r_n), the level of S over every draft read, and the running sums of the fit of the accepted
+    tokens y on the S x the choice saw. Host arrays, updated a round at a time."""
 
     buckets: tuple[int, ...]
-    accepted: dict[int, float] = field(default_factory=dict)
-    predicted: dict[int, float] = field(default_factory=dict)
-    fits: dict[int, _Fit] = field(default_factory=dict)
-    drafts: float = 0.0  # (request, round) pairs of every draft read
-    level_sums: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.level_sums = [0.0] * len(self.buckets)
+        k = len(self.buckets)
+        self.accepted, self.predicted = np.zeros(k), np.zeros(k)
+        self.level_sums, self.drafts = np.zeros(k), 0
+        self.n, self.sx, self.sy, self.sxx, self.sxy = (np.zeros(k) for _ in range(5))
 
-    def observe(self, bucket: int, accepted: Sequence[int], predicted: Sequence[float]) -> None:
-        """One round of `bucket`: per running request, the drafted tokens it accepted (committed - 1)
-        and the sum S the round's draft predicted for it."""
-        self.accepted[bucket] = self.accepted.get(bucket, 0.0) + float(sum(accepted))
-        self.predicted[bucket] = self.predicted.get(bucket, 0.0) + float(sum(predicted))
+    def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
+        """One round of bucket index j: per running request, the drafted tokens it accepted
+        (committed - 1) and the sum S the round's draft predicted for it."""
+        self.accepted[j] += float(accepted.sum())
+        self.predicted[j] += float(predicted.sum())
 
-    def observe_draft(self, sums: Sequence[float]) -> None:
-        """One request's S at every bucket from a draft read (the bucket levels)."""
-        self.drafts += 1
-        self.level_sums = [a + float(v) for a, v in zip(self.level_sums, sums)]
+    def observe_drafts(self, sums: np.ndarray) -> None:
+        """The S at every bucket of each request of a draft read ([requests, buckets]): the levels."""
+        self.level_sums += sums.sum(axis=0)
+        self.drafts += sums.shape[0]
 
-    def observe_choice(self, bucket: int, seen: float, accepted: int) -> None:
-        """One request of a round of `bucket`: the S at that bucket its choice saw, the drafted
-        tokens it then accepted."""
-        self.fits.setdefault(bucket, _Fit()).add(float(seen), float(accepted))
+    def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray) -> None:
+        """The requests of a round of bucket index j: the S at that bucket their choice saw, the
+        drafted tokens they then accepted."""
+        self.n[j] += seen.size
+        self.sx[j] += seen.sum()
+        self.sy[j] += accepted.sum()
+        self.sxx[j] += (seen * seen).sum()
+        self.sxy[j] += (seen * accepted).sum()
 
-    def ratio(self, bucket: int) -> float:
-        """r_n: accepted / predicted of this bucket, else of the nearest bucket with a prediction, else
-        1 (a calibrated drafter)."""
-        tried = [k for k in self.buckets if self.predicted.get(k, 0.0) > 0]
+    def ratio(self, j: int) -> float:
+        """r_n of bucket index j: accepted / predicted of this bucket, else of the nearest bucket with
+        a prediction, else 1 (a calibrated drafter)."""
+        tried = [i for i in range(len(self.buckets)) if self.predicted[i] > 0]
         if not tried:
             return 1.0
-        k = min(tried, key=lambda k: (abs(k - bucket), k))
-        return self.accepted.get(k, 0.0) / self.predicted[k]
+        i = min(tried, key=lambda i: (abs(self.buckets[i] - self.buckets[j]), self.buckets[i]))
+        return float(self.accepted[i] / self.predicted[i])
 
-    def level(self, j: int) -> float | None:
-        """The mean S at bucket index j over every draft read (None before any)."""
-        return self.level_sums[j] / self.drafts if self.drafts else None
+    def levels(self) -> np.ndarray | None:
+        """The mean S at each bucket over every draft read (None before any)."""
+        return self.level_sums / self.drafts if self.drafts else None
 
-    def expected(self, j: int, seen: float) -> float:
-        """E(n) of one request for bucket index j, given the S its choice sees (module docstring)."""
-        bucket = self.buckets[j]
-        if bucket == 0:
-            return 1.0
-        r, fit = self.ratio(bucket), self.fits.get(bucket)
-        if fit is None:
-            return 1.0 + r * seen
-        level = self.level(j)
-        prior = r * (seen if level is None else level)
-        mean_y = (fit.sy + PRIOR_PAIRS * prior) / (fit.n + PRIOR_PAIRS)
-        return max(1.0, 1.0 + mean_y + fit.slope() * (seen - fit.sx / fit.n))
+    def slopes(self) -> np.ndarray:
+        """Per bucket, the least-squares slope of y on x, >= 0, shrunk by n / (n + SLOPE_PAIRS);
+        0 without pairs or without spread in x."""
+        n = np.maximum(self.n, 1.0)
+        var = self.sxx - self.sx * self.sx / n
+        cov = self.sxy - self.sx * self.sy / n
+        spread = var > 1e-12 * np.maximum(1.0, self.sxx)
+        slope = np.where(spread, np.maximum(cov, 0.0) / np.where(spread, var, 1.0), 0.0)
+        return slope * self.n / (self.n + SLOPE_PAIRS)
+
+    def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
+        """(a, b) per bucket: a request's E(n) = max(1, a + b x) for the S x its choice sees (module
+        docstring). Without pairs: 1 + r x; bucket 0 (autoregressive): 1."""
+        k = len(self.buckets)
+        ratios = np.array([self.ratio(j) for j in range(k)])
+        levels = self.levels()
+        beta = self.slopes()
+        n = np.maximum(self.n, 1.0)
+        prior = ratios * (levels if levels is not None else self.sx / n)
+        mean_y = (self.sy + PRIOR_PAIRS * prior) / (self.n + PRIOR_PAIRS)
+        fitted = self.n > 0
+        a = np.where(fitted, 1.0 + mean_y - beta * self.sx / n, 1.0)
+        b = np.where(fitted, beta, ratios)
+        zero = np.array(self.buckets) == 0
+        return np.where(zero, 1.0, a), np.where(zero, 0.0, b)
+
+    def expected(self, seen: np.ndarray) -> np.ndarray:
+        """E(n) of each request at each bucket ([requests, buckets]) for the S its choice sees."""
+        a, b = self.coefficients()
+        return np.maximum(1.0, a + b * seen)
 
 
 @dataclass
@@ -186,8 +184,8 @@ class CostTable:
 def expected_tokens(seen: Sequence[Sequence[float]], calibration: Calibration) -> list[float]:
     """Per bucket, the expected committed tokens of the batch: the sum over the running requests of
     E_b(n) (seen: per running request, the S its choice sees at each bucket)."""
-    buckets = range(len(calibration.buckets))
-    return [sum(calibration.expected(j, row[j]) for row in seen) for j in buckets]
+    rows = np.asarray(seen, dtype=np.float64).reshape(-1, len(calibration.buckets))
+    return calibration.expected(rows).sum(axis=0).tolist()
 
 
 def choose(expected: Sequence[float], costs: Sequence[float]) -> int:
@@ -201,11 +199,12 @@ def choose(expected: Sequence[float], costs: Sequence[float]) -> int:
 
 @dataclass
 class _Choice:
-    """What the choice of one enqueued round saw, per running request row: S at every bucket (aged),
-    and the E it expected at the bucket chosen."""
+    """What the choice of one enqueued round saw: the running request rows, their S at every bucket
+    (aged), and the E each expected at the bucket chosen."""
 
-    seen: dict[int, list[float]]
-    expected: dict[int, float]
+    rows: np.ndarray
+    seen: np.ndarray
+    expected: np.ndarray
 
 
 @dataclass
@@ -213,14 +212,15 @@ class BudgetPolicy:
     """The host side of the auto budget for one Runner (its cost table and calibration carry over to
     its later calls): picks each round's bucket from the last figures read, and learns from each round
     read (rounds are read in the order they were picked). `depth`: L + 1, the most autoregressive
-    rounds in a row (the drafter's context holds the rows of one speculative round plus L + 1 more)."""
+    rounds in a row (the drafter's context holds the rows of one speculative round plus L + 1 more).
+    Host work per round: a few numpy operations over [requests, buckets], whatever the batch."""
 
     buckets: tuple[int, ...]
     depth: int
     calibration: Calibration = field(init=False)
     costs: CostTable = field(init=False)
-    sums: dict[int, list[float]] = field(default_factory=dict)  # request row -> S of its last draft read
-    age: dict[int, int] = field(default_factory=dict)  # request row -> rounds picked since its S was read
+    sums: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [rows, buckets], NaN: none read
+    age: np.ndarray = field(default_factory=lambda: np.zeros(0))  # rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
     pending: deque = field(default_factory=deque)  # _Choice per round picked and not read yet
     chosen: dict[int, int] = field(default_factory=dict)  # rounds read per bucket
@@ -236,66 +236,81 @@ class BudgetPolicy:
     def new_call(self) -> None:
         """A Runner's next call: its requests, the rounds left unread and its report start afresh; the
         costs and the calibration carry over."""
-        self.sums.clear()
-        self.age.clear()
+        self.sums = np.zeros((0, len(self.buckets)))
+        self.age = np.zeros(0)
         self.pending.clear()
         self.streak = 0
         for tally in (self.chosen, self.predicted, self.calibrated, self.observed, self.requests):
             tally.clear()
 
-    def _seen(self, row: int) -> list[float]:
-        """The S at every bucket the choice sees for a request row: its last draft's, pulled towards
-        each bucket's level by STALE_DECAY per round picked since it was read (the level alone before
-        its first draft read). Drafting every round, each pick follows a read: the age stays 0."""
-        cal = self.calibration
-        levels = [cal.level(j) for j in range(len(self.buckets))]
-        own = self.sums.get(row)
-        if own is None:
-            return [0.0 if v is None else v for v in levels]
-        keep = STALE_DECAY ** self.age.get(row, 0)
-        return [x if v is None else v + keep * (x - v) for x, v in zip(own, levels)]
+    def _rows(self, count: int) -> None:
+        """Room for `count` request rows (a new row has no S read yet)."""
+        k = len(self.buckets)
+        if self.sums.shape != (max(count, self.sums.shape[0]), k):
+            grown = np.full((max(count, self.sums.shape[0]), k), np.nan)
+            grown[: self.sums.shape[0], : self.sums.shape[1]] = self.sums
+            self.sums = grown
+            self.age = np.concatenate([self.age, np.zeros(grown.shape[0] - self.age.shape[0])])
+
+    def _seen(self, rows: np.ndarray) -> np.ndarray:
+        """The S at every bucket the choice sees for the request rows: each one's last draft's, pulled
+        towards the bucket's level by STALE_DECAY per round picked since it was read (the level alone
+        before its first draft read). Drafting every round, each pick follows a read: the age stays 0."""
+        own = self.sums[rows]
+        levels = self.calibration.levels()
+        if levels is None:
+            return np.nan_to_num(own, nan=0.0)
+        keep = (STALE_DECAY ** self.age[rows])[:, None]
+        return np.where(np.isnan(own), levels, levels + keep * (own - levels))
 
     def pick(self, active: Sequence[bool], must_draft: bool) -> int:
         """The bucket of the next round enqueued: the most expected tokens per second over the running
         requests; a speculative one when the drafter must run (a call's first round, a full context)."""
         must_draft = must_draft or self.streak >= self.depth
-        rows = [r for r, on in enumerate(active) if on]
-        seen = {r: self._seen(r) for r in rows}
-        per_row = {r: [self.calibration.expected(j, x[j]) for j in range(len(x))] for r, x in seen.items()}
-        expected = [sum(e[j] for e in per_row.values()) for j in range(len(self.buckets))]
+        self._rows(len(active))
+        rows = np.flatnonzero(np.asarray(active, dtype=bool))
+        seen = self._seen(rows)
+        per_row = self.calibration.expected(seen)  # [rows, buckets]
+        expected = per_row.sum(axis=0)
         allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
         costs = [self.costs.estimate(self.buckets[j]) for j in allowed]
-        j = allowed[choose([expected[j] for j in allowed], costs)]
-        self.pending.append(_Choice(seen, {r: e[j] for r, e in per_row.items()}))
-        for r in rows:
-            self.age[r] = self.age.get(r, 0) + 1
+        j = allowed[choose([float(expected[j]) for j in allowed], costs)]
+        self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
+        self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
-                sums: Sequence[Sequence[float]] | None) -> None:  # fmt: skip
+                sums: np.ndarray | Sequence[Sequence[float]] | None) -> None:  # fmt: skip
         """One round read (the oldest picked): its bucket, its measured seconds (None: not
         representative, e.g. eager), the request rows that were running, their committed counts, and
-        the round's sums per request row (None for an autoregressive round)."""
-        choice = self.pending.popleft() if self.pending else _Choice({}, {})
+        the round's sums per request row ([rows of the batch, buckets]; None for an autoregressive
+        round)."""
+        choice = self.pending.popleft() if self.pending else None
         if seconds is not None:
             self.costs.observe(bucket, seconds)
         self.chosen[bucket] = self.chosen.get(bucket, 0) + 1
         if sums is None:
             return
         j, cal = self.buckets.index(bucket), self.calibration
-        for r in rows:
-            if r in choice.seen:
-                cal.observe_choice(bucket, choice.seen[r][j], counts[r] - 1)
-            cal.observe_draft(sums[r])
-        cal.observe(bucket, [counts[r] - 1 for r in rows], [sums[r][j] for r in rows])
-        expected = sum(choice.expected.get(r, 1.0) for r in rows)
+        rows = np.asarray(rows, dtype=np.int64)
+        own = np.asarray(sums, dtype=np.float64)[rows]  # [rows, buckets]
+        committed = np.asarray(counts, dtype=np.float64)
+        accepted = committed[rows] - 1.0
+        if choice is not None:
+            same = np.isin(choice.rows, rows)  # rows still running: their acceptance is this round's
+            cal.observe_choices(j, choice.seen[same], committed[choice.rows[same]] - 1.0)
+            expected = float(choice.expected[same].sum())
+        else:
+            expected = float(len(rows))
+        cal.observe_drafts(own)
+        cal.observe(j, accepted, own[:, j])
         self.calibrated[bucket] = self.calibrated.get(bucket, 0.0) + expected
-        self.predicted[bucket] = self.predicted.get(bucket, 0.0) + sum(1.0 + sums[r][j] for r in rows)
-        self.observed[bucket] = self.observed.get(bucket, 0.0) + float(sum(counts[r] for r in rows))
+        self.predicted[bucket] = self.predicted.get(bucket, 0.0) + float((1.0 + own[:, j]).sum())
+        self.observed[bucket] = self.observed.get(bucket, 0.0) + float(accepted.sum() + len(rows))
         self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
-        for r in rows:
-            self.sums[r], self.age[r] = list(sums[r]), 0
+        self._rows(int(rows.max()) + 1 if rows.size else 0)
+        self.sums[rows], self.age[rows] = own, 0
 
     def report(self) -> dict[int, dict[str, float]]:
         """Per bucket, over this call: rounds read, mean tokens per request predicted (uncalibrated:

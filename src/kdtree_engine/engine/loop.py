@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kdtree_engine.engine import checks
@@ -483,16 +484,18 @@ class _HostCopy:
         any later round's)."""
         self.in_flight.clear()
 
-    def read(self, sums: int = 0) -> tuple[list[list[int]], list[int], list[list[float]] | None]:
+    def read(self, sums: int = 0) -> tuple[list[list[int]], list[int], np.ndarray | None]:
         """Waits for the oldest round in flight and returns its (tokens per request, counts, and the
-        last `sums` columns as float64 per request, or None)."""
+        last `sums` columns as float64 [requests, sums], or None)."""
         slot = self.in_flight.pop(0)
         if self.events[slot] is not None:
             self.events[slot].synchronize()
         data = self.slots[slot]
         body = data[:, : data.shape[1] - sums] if sums else data
         rows = body.tolist()
-        floats = data[:, data.shape[1] - sums :].contiguous().view(torch.float64).tolist() if sums else None
+        floats = None
+        if sums:  # a copy: the slot is written again by a later round
+            floats = data[:, data.shape[1] - sums :].contiguous().view(torch.float64).numpy().copy()
         return [r[1:] for r in rows], [r[0] for r in rows], floats
 
 
@@ -605,7 +608,7 @@ class _Rounds:
             if entry.begin is not None:
                 seconds = entry.begin.elapsed_time(entry.end) / 1e3
             rows = [r for r, on in enumerate(self.run.reqs.active) if on]
-            spec = entry.bucket > 0 and floats is not None and not any(v != v for v in floats[0])
+            spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0]).any()
             self.policy.observe(entry.bucket, seconds, rows, counts, floats if spec else None)
             self.run.stats.budgets.append(entry.bucket)
         return tokens, counts
