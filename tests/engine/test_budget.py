@@ -187,3 +187,16 @@ def test_choices_learn_from_what_they_saw():
     assert cal.n[1] == 6 and cal.sx[1] == 0 + 0 + 3 + 1 + 2.5 + 1.5
     assert cal.sxy[1] == 3 * 3 + 1 * 0 + 2.5 * 2 + 1.5 * 1
     assert not policy.pending
+
+
+def test_buckets_a_round_did_not_build_are_seen_at_their_level():
+    """A round of bucket 8 knows S up to 8 only (NaN beyond): bucket 32's level comes from the rounds
+    that built it, and a request whose last draft stopped at 8 is seen at that level there."""
+    policy = BudgetPolicy((0, 8, 32), depth=8)
+    policy.pick([True], must_draft=True)
+    policy.observe(32, None, [0], [3], np.array([[0.0, 1.0, 3.0]]))
+    policy.pick([True], must_draft=True)
+    policy.observe(8, None, [0], [2], np.array([[0.0, 2.0, np.nan]]))
+    levels = policy.calibration.levels()
+    assert levels[1] == 1.5 and levels[2] == 3.0
+    assert policy._seen(np.array([0])).tolist() == [[0.0, 2.0, 3.0]]

@@ -462,7 +462,8 @@ def test_errors_before_anything_is_printed(capsys, ckpt, monkeypatch):
 
 def test_impl_triton_on_the_cpu_is_refused_without_the_interpreter(capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    rc, out, err = _run(capsys, "--demo", "random", "--impl", "triton", "--device", "cpu", "--max-new-tokens", "4")
+    argv = ("--demo", "random", "--impl", "triton", "--device", "cpu", "--max-new-tokens", "4")
+    rc, out, err = _run(capsys, *argv)
     assert rc == 2 and out == "" and "--impl triton: needs --device cuda" in err
 
 

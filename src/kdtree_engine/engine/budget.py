@@ -7,12 +7,15 @@ Under sampled DDTree acceptance with a drafter whose distribution is the target'
 accepted path with probability p_i, its path probability, so a tree of the first n nodes commits
 E(n) = 1 + S(n), S(n) = sum_{i < n} p_i, tokens in expectation (the bonus token included), exactly.
 The draft computes p from its own log-softmax along each node's ancestors (`path_probabilities`);
-the sums at the bucket boundaries ride on the round's one device-to-host copy.
+a round builds the tree of its own bucket n only (no larger tree to slice: it costs what a fixed
+budget n costs), so it knows S at the buckets up to n, and these sums ride on the round's one
+device-to-host copy.
 
 The estimator. The choice of round k + 1 is made before round k is read (the rounds are pipelined),
 so it sees each request's S from an earlier round, x = S_b(n) of its last draft read; when `a` rounds
 were picked since that read (autoregressive ones: no new S), x is pulled towards the bucket's level
-(the mean S of every draft read) by a factor STALE_DECAY^a. Per bucket, over the (request, round)
+(the mean S of every draft read that built that bucket) by a factor STALE_DECAY^a; a bucket its last
+draft did not build is seen at its level. Per bucket, over the (request, round)
 pairs that verified it, the engine fits the accepted drafted tokens y (committed - 1) on x:
 
     E_b(n) = 1 + ybar_n + beta_n * (x_b - xbar_n)
@@ -92,7 +95,7 @@ class Calibration:
     def __post_init__(self) -> None:
         k = len(self.buckets)
         self.accepted, self.predicted = np.zeros(k), np.zeros(k)
-        self.level_sums, self.drafts = np.zeros(k), 0
+        self.level_sums, self.drafts = np.zeros(k), np.zeros(k)
         self.n, self.sx, self.sy, self.sxx, self.sxy = (np.zeros(k) for _ in range(5))
 
     def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
@@ -102,9 +105,11 @@ class Calibration:
         self.predicted[j] += float(predicted.sum())
 
     def observe_drafts(self, sums: np.ndarray) -> None:
-        """The S at every bucket of each request of a draft read ([requests, buckets]): the levels."""
-        self.level_sums += sums.sum(axis=0)
-        self.drafts += sums.shape[0]
+        """The S at every bucket of each request of a draft read ([requests, buckets]; NaN at the
+        buckets larger than the one built): the levels."""
+        known = ~np.isnan(sums)
+        self.level_sums += np.where(known, sums, 0.0).sum(axis=0)
+        self.drafts += known.sum(axis=0)
 
     def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray) -> None:
         """The requests of a round of bucket index j: the S at that bucket their choice saw, the
@@ -124,9 +129,9 @@ class Calibration:
         i = min(tried, key=lambda i: (abs(self.buckets[i] - self.buckets[j]), self.buckets[i]))
         return float(self.accepted[i] / self.predicted[i])
 
-    def levels(self) -> np.ndarray | None:
-        """The mean S at each bucket over every draft read (None before any)."""
-        return self.level_sums / self.drafts if self.drafts else None
+    def levels(self) -> np.ndarray:
+        """The mean S at each bucket over every draft read that built it (NaN before any)."""
+        return np.where(self.drafts > 0, self.level_sums / np.maximum(self.drafts, 1), np.nan)
 
     def slopes(self) -> np.ndarray:
         """Per bucket, the least-squares slope of y on x, >= 0, shrunk by n / (n + SLOPE_PAIRS);
@@ -143,10 +148,10 @@ class Calibration:
         docstring). Without pairs: 1 + r x; bucket 0 (autoregressive): 1."""
         k = len(self.buckets)
         ratios = np.array([self.ratio(j) for j in range(k)])
-        levels = self.levels()
         beta = self.slopes()
         n = np.maximum(self.n, 1.0)
-        prior = ratios * (levels if levels is not None else self.sx / n)
+        levels = self.levels()
+        prior = ratios * np.where(np.isnan(levels), self.sx / n, levels)
         mean_y = (self.sy + PRIOR_PAIRS * prior) / (self.n + PRIOR_PAIRS)
         fitted = self.n > 0
         a = np.where(fitted, 1.0 + mean_y - beta * self.sx / n, 1.0)
@@ -258,10 +263,9 @@ class BudgetPolicy:
         before its first draft read). Drafting every round, each pick follows a read: the age stays 0."""
         own = self.sums[rows]
         levels = self.calibration.levels()
-        if levels is None:
-            return np.nan_to_num(own, nan=0.0)
         keep = (STALE_DECAY ** self.age[rows])[:, None]
-        return np.where(np.isnan(own), levels, levels + keep * (own - levels))
+        aged = np.where(np.isnan(levels), own, levels + keep * (own - levels))
+        return np.nan_to_num(np.where(np.isnan(own), levels, aged), nan=0.0)
 
     def pick(self, active: Sequence[bool], must_draft: bool) -> int:
         """The bucket of the next round enqueued: the most expected tokens per second over the running
@@ -294,7 +298,7 @@ class BudgetPolicy:
             return
         j, cal = self.buckets.index(bucket), self.calibration
         rows = np.asarray(rows, dtype=np.int64)
-        own = np.asarray(sums, dtype=np.float64)[rows]  # [rows, buckets]
+        own = np.asarray(sums, dtype=np.float64)[rows]  # [rows, buckets], NaN past the bucket built
         committed = np.asarray(counts, dtype=np.float64)
         accepted = committed[rows] - 1.0
         if choice is not None:

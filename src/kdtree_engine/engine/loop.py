@@ -245,6 +245,10 @@ class _Stages:
     def __init__(self, run: _Run, state: _State) -> None:
         self.run, self.s = run, state
         self.keys = self.draw = None
+        # per bucket: its tree, its verify inputs (ids, positions, visibility), its sums (auto budget)
+        self.trees: dict[int, DraftTree] = {}
+        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.sums: dict[int, torch.Tensor] = {}
         self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
         device = state.start.device
         if not run.config.sampling.greedy and _use_graphs(run, device):
@@ -269,10 +273,11 @@ class _Stages:
                                   _Stage("accept", self.accept_one, accept, "accept@0")]  # fmt: skip
                 continue
             verify, accept_n = functools.partial(self.verify, n), functools.partial(self.accept, n)
+            build, compile_n = functools.partial(self.tree_build, n), functools.partial(self.compile, n)
             self.orders[n] = [
                 _Stage("draft", self.draft, drafter, "draft"),
-                _Stage("tree_build", self.tree_build, True, "tree_build"),
-                _Stage("compile", self.compile, True, "compile"),
+                _Stage("tree_build", build, True, "tree_build" + tag),
+                _Stage("compile", compile_n, True, "compile" + tag),
                 _Stage("verify", verify, True, "verify" + tag),
                 _Stage("accept", accept_n, accept, "accept" + tag),
             ]
@@ -314,38 +319,32 @@ class _Stages:
             self.keys.copy_(stream_key_table(run.noise_seed, self.keys.shape[0]).to(self.keys.device))
             self.draw.fill_(run.draws)
 
-    def tree_build(self) -> None:
-        """The tree of the largest bucket (best-first: a smaller bucket's tree is its first nodes)."""
+    def tree_build(self, n: int) -> None:
+        """The tree of bucket n (each bucket its own outputs: a captured graph writes them)."""
         run = self.run
         if run.config.method == "dflash":
-            self.tree = chain_tree(self.draft_logits)  # [B, L, V] -> L nodes
+            self.trees[n] = chain_tree(self.draft_logits)  # [B, L, V] -> L nodes
         else:
-            budget = max(self.buckets)
-            self.tree = build_tree_from_logits(self.draft_logits, budget, impl=run.impl, validate=False)
+            self.trees[n] = build_tree_from_logits(self.draft_logits, n, impl=run.impl, validate=False)
 
-    def compile(self) -> None:
-        """The verify inputs of the whole tree; with the auto budget, also each request's expected
-        acceptance at every bucket (engine.budget: the sums of the path probabilities)."""
-        run, s = self.run, self.s
-        self.vin = compile_tree(self.tree, s.bonus, s.start, impl=run.impl, validate=False)
+    def compile(self, n: int) -> None:
+        """The verify inputs of bucket n's tree; with the auto budget, also each request's expected
+        acceptance at every bucket up to n (engine.budget: the sums of the path probabilities; NaN for
+        the larger buckets, whose nodes this round did not build)."""
+        run, s, tree = self.run, self.s, self.trees[n]
+        vin = compile_tree(tree, s.bonus, s.start, impl=run.impl, validate=False)
         # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
-        pos = self.vin.positions
-        self.positions = pos if run.limit is None else pos.clamp(max=run.limit - 1)
+        pos = vin.positions if run.limit is None else vin.positions.clamp(max=run.limit - 1)
+        self.inputs[n] = (vin.input_ids, pos, vin.visibility)
         if run.config.auto_budget:
-            tree = self.tree
-            probs = path_probabilities(self.draft_logits, tree.tokens, tree.depths, self.vin.visibility)
-            self._put("sums", bucket_sums(probs, self.buckets))
+            probs = path_probabilities(self.draft_logits, tree.tokens, tree.depths, vin.visibility)
+            built = bucket_sums(probs, [k for k in self.buckets if k <= n])
+            unknown = built.new_full((built.shape[0], len(self.buckets) - built.shape[1]), float("nan"))
+            self.sums[n] = torch.cat([built, unknown], dim=1)
 
     def _first(self, n: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tree, input_ids, positions, visibility) of the first n nodes (all of them for a fixed
-        budget): best-first order puts every node's ancestors before it."""
-        if n == self.tree.budget:
-            return self.tree, self.vin.input_ids, self.positions, self.vin.visibility
-        t = self.tree
-        cols = (t.tokens[:, :n], t.depths[:, :n], t.parents[:, : n + 1])
-        tree = DraftTree(*(c.contiguous() for c in cols), t.num_nodes.clamp(max=n), t.max_depth)
-        vis = self.vin.visibility[:, : n + 1, : n + 1].contiguous()
-        return tree, self.vin.input_ids[:, : n + 1], self.positions[:, : n + 1], vis
+        """(tree, input_ids, positions, visibility) of bucket n."""
+        return self.trees[n], *self.inputs[n]
 
     def verify(self, n: int) -> None:
         run, s = self.run, self.s
@@ -373,7 +372,7 @@ class _Stages:
         s.ctx_lens.copy_(count)
         tokens = torch.cat([ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
         tokens.scatter_(1, (count - 1).clamp(min=0)[:, None], acc.bonus[:, None])
-        self._commit(count, tokens, getattr(self, "sums", None))
+        self._commit(count, tokens, self.sums.get(n))
         s.bonus.copy_(torch.where(s.active, acc.bonus, s.bonus))
         s.start.add_(count)
 
@@ -608,7 +607,8 @@ class _Rounds:
             if entry.begin is not None:
                 seconds = entry.begin.elapsed_time(entry.end) / 1e3
             rows = [r for r, on in enumerate(self.run.reqs.active) if on]
-            spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0]).any()
+            j = self.stages.buckets.index(entry.bucket)
+            spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0, j])
             self.policy.observe(entry.bucket, seconds, rows, counts, floats if spec else None)
             self.run.stats.budgets.append(entry.bucket)
         return tokens, counts
