@@ -24,7 +24,7 @@ from kdtree_engine.engine.budget import (
     expected_tokens,
     path_probabilities,
 )
-from kdtree_engine.tree import DraftTree, build_tree_from_logits, compile_tree
+from kdtree_engine.tree import DraftTree, build_tree_from_logits, compile_tree, logits_topk
 
 
 def _tree(logits: torch.Tensor, budget: int):
@@ -32,6 +32,11 @@ def _tree(logits: torch.Tensor, budget: int):
     b = logits.shape[0]
     vin = compile_tree(tree, torch.zeros(b, dtype=torch.int64), torch.zeros(b, dtype=torch.int64), impl="ref")
     return tree, vin
+
+
+def _topk(logits: torch.Tensor, budget: int):
+    """The top-k the tree of `budget` nodes is built from (k >= 1: a tree of 0 nodes has no nodes)."""
+    return logits_topk(logits, max(budget, 1), impl="ref")
 
 
 def _brute_force(logits: torch.Tensor, tree) -> torch.Tensor:
@@ -58,7 +63,7 @@ def test_path_probabilities_are_the_products_along_the_ancestors(budget):
     logits[1] = logits[1].round()  # ties
     logits[2, :, 5:] = float("-inf")  # masked tokens: fewer nodes than the budget
     tree, vin = _tree(logits, budget)
-    got = path_probabilities(logits, tree.tokens, tree.depths, vin.visibility)
+    got = path_probabilities(*_topk(logits, budget), tree.tokens, tree.depths, vin.visibility)
     torch.testing.assert_close(got.double(), _brute_force(logits, tree), rtol=1e-5, atol=1e-7)
     assert bool((got[:, 1:] <= got[:, :-1] + 1e-6).all())  # best-first: non-increasing
 
@@ -81,7 +86,7 @@ def test_estimator_is_exact_when_the_drafter_is_the_target(budget):
     one, vin = _tree(per_depth[None], budget)  # every request drafts the same: one tree, repeated
     tree = DraftTree(*(t.expand(b, -1).contiguous() for t in (one.tokens, one.depths, one.parents)),
                      one.num_nodes.expand(b).contiguous(), one.max_depth)  # fmt: skip
-    probs = path_probabilities(per_depth[None], one.tokens, one.depths, vin.visibility)
+    probs = path_probabilities(*_topk(per_depth[None], budget), one.tokens, one.depths, vin.visibility)
     predicted = 1 + bucket_sums(probs, [budget])
     # the target's logits at node i: its distribution at depth(i) + 1 (the root: depth 1)
     node_depth = torch.cat([torch.zeros(b, 1, dtype=torch.int64), tree.depths.clamp(min=0)], dim=1)

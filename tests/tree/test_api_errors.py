@@ -246,3 +246,25 @@ def test_sampled_check_syncs_once_gpu():
     bad[1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match=r"target_logits: contains NaN at \[1, 2, 3\]"):
         accept_sampled(tree, bad, temperature=0.8, seed=3)
+
+
+def test_logits_topk_is_what_build_tree_from_logits_builds_from():
+    """tree.logits_topk then build_tree: the tree build_tree_from_logits gives, ties and masked tokens
+    included; k larger than the vocabulary takes it all; a k of 0 or a bad budget names `k`."""
+    from kdtree_engine.tree import logits_topk
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, 4, 11, generator=gen) * 2).round()  # plateaus: ties broken by id
+    logits[2, :, 6:] = float("-inf")
+    for budget in (1, 7, 30):
+        lp, ids = logits_topk(logits, budget, impl="ref")
+        assert lp.shape == ids.shape == (3, 4, min(budget, 11))
+        got, want = (
+            build_tree(lp, ids, budget, impl="ref"),
+            build_tree_from_logits(logits, budget, impl="ref"),
+        )
+        for name in ("tokens", "depths", "parents", "num_nodes"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for k in (0, -1, 5000):
+        with pytest.raises(ValueError, match="k|budget"):
+            logits_topk(logits, k, impl="ref")

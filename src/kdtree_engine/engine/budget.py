@@ -52,22 +52,22 @@ SLOPE_PAIRS = 16.0  # pairs at which a bucket's fitted slope counts half
 STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
 
 
-def path_probabilities(draft_logits: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
-                       visibility: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """The draft path probability of every tree node: draft_logits [B, L, V]; tokens / depths [B, n]
-    (node i + 1's token and 1-based depth, -1 where unused); visibility [B, n + 1, n + 1] bool (node i
-    sees its ancestors and itself; row 0 the root) -> [B, n] float32, 0 for unused nodes. Device ops
-    only (capturable): log-softmax normalizers per depth, each node's own log-probability gathered,
-    summed over its ancestors through the visibility mask."""
+def path_probabilities(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor,
+                       depths: torch.Tensor, visibility: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The draft path probability of every tree node: top_logprobs / top_ids [B, L, K] (the top-k the
+    tree was built from: tree.ops.logits_topk); tokens / depths [B, n] (node i + 1's token and 1-based
+    depth, -1 where unused); visibility [B, n + 1, n + 1] bool (node i sees its ancestors and itself;
+    row 0 the root) -> [B, n] float32, 0 for unused nodes. Each node's own log-probability is its
+    token's among the top-k of its depth (every node is one of them), summed over its ancestors through
+    the visibility mask. Device ops only (capturable), over [B, n, K]: the vocabulary is not read."""
     b, n = tokens.shape
     if n == 0:
         return torch.zeros(b, 0, dtype=torch.float32, device=tokens.device)
-    logits = draft_logits.float()
-    norm = torch.logsumexp(logits, dim=-1)  # [B, L]
+    k = top_ids.shape[-1]
     used = tokens >= 0
-    depth = (depths - 1).clamp(min=0)
-    flat = depth * logits.shape[-1] + tokens.clamp(min=0)  # [B, n] index into [L * V]
-    node_lp = logits.reshape(b, -1).gather(1, flat) - norm.gather(1, depth)  # [B, n]
+    at = (depths - 1).clamp(min=0)[..., None].expand(-1, -1, k)  # [B, n, K]: the node's depth row
+    match = top_ids.gather(1, at) == tokens[..., None]
+    node_lp = torch.where(match, top_logprobs.gather(1, at), 0.0).sum(dim=-1)  # [B, n]
     node_lp = torch.where(used, node_lp, 0.0)
     ancestors = visibility[:, 1:, 1:].to(torch.float32)  # [B, n, n]: node i sees node j (root dropped)
     path_lp = torch.bmm(ancestors, node_lp[..., None]).squeeze(-1)  # [B, n]
@@ -97,12 +97,14 @@ class Calibration:
         self.accepted, self.predicted = np.zeros(k), np.zeros(k)
         self.level_sums, self.drafts = np.zeros(k), np.zeros(k)
         self.n, self.sx, self.sy, self.sxx, self.sxy = (np.zeros(k) for _ in range(5))
+        self._coefficients: tuple[np.ndarray, np.ndarray] | None = None  # until the next observation
 
     def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
         """One round of bucket index j: per running request, the drafted tokens it accepted
         (committed - 1) and the sum S the round's draft predicted for it."""
         self.accepted[j] += float(accepted.sum())
         self.predicted[j] += float(predicted.sum())
+        self._coefficients = None
 
     def observe_drafts(self, sums: np.ndarray) -> None:
         """The S at every bucket of each request of a draft read ([requests, buckets]; NaN at the
@@ -110,6 +112,7 @@ class Calibration:
         known = ~np.isnan(sums)
         self.level_sums += np.where(known, sums, 0.0).sum(axis=0)
         self.drafts += known.sum(axis=0)
+        self._coefficients = None
 
     def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray) -> None:
         """The requests of a round of bucket index j: the S at that bucket their choice saw, the
@@ -119,6 +122,7 @@ class Calibration:
         self.sy[j] += accepted.sum()
         self.sxx[j] += (seen * seen).sum()
         self.sxy[j] += (seen * accepted).sum()
+        self._coefficients = None
 
     def ratio(self, j: int) -> float:
         """r_n of bucket index j: accepted / predicted of this bucket, else of the nearest bucket with
@@ -161,7 +165,9 @@ class Calibration:
 
     def expected(self, seen: np.ndarray) -> np.ndarray:
         """E(n) of each request at each bucket ([requests, buckets]) for the S its choice sees."""
-        a, b = self.coefficients()
+        if self._coefficients is None:  # autoregressive rounds teach nothing: picks reuse them
+            self._coefficients = self.coefficients()
+        a, b = self._coefficients
         return np.maximum(1.0, a + b * seen)
 
 

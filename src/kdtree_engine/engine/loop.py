@@ -47,7 +47,14 @@ from kdtree_engine.engine.text import StopStringMatcher
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
 from kdtree_engine.ref.sampling import stream_key_table
-from kdtree_engine.tree import AcceptResult, DraftTree, build_tree_from_logits, compile_tree
+from kdtree_engine.tree import (
+    AcceptResult,
+    DraftTree,
+    build_tree,
+    build_tree_from_logits,
+    compile_tree,
+    logits_topk,
+)
 
 __all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "Runner", "chain_tree", "generate"]
 
@@ -249,6 +256,7 @@ class _Stages:
         self.trees: dict[int, DraftTree] = {}
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.sums: dict[int, torch.Tensor] = {}
+        self.topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
         device = state.start.device
         if not run.config.sampling.greedy and _use_graphs(run, device):
@@ -320,10 +328,14 @@ class _Stages:
             self.draw.fill_(run.draws)
 
     def tree_build(self, n: int) -> None:
-        """The tree of bucket n (each bucket its own outputs: a captured graph writes them)."""
+        """The tree of bucket n (each bucket its own outputs: a captured graph writes them); with the
+        auto budget, from a top-k kept for the nodes' log-probabilities."""
         run = self.run
         if run.config.method == "dflash":
             self.trees[n] = chain_tree(self.draft_logits)  # [B, L, V] -> L nodes
+        elif run.config.auto_budget:
+            self.topk[n] = logits_topk(self.draft_logits, n, impl=run.impl, validate=False)
+            self.trees[n] = build_tree(*self.topk[n], n, impl=run.impl, validate=False)
         else:
             self.trees[n] = build_tree_from_logits(self.draft_logits, n, impl=run.impl, validate=False)
 
@@ -337,7 +349,7 @@ class _Stages:
         pos = vin.positions if run.limit is None else vin.positions.clamp(max=run.limit - 1)
         self.inputs[n] = (vin.input_ids, pos, vin.visibility)
         if run.config.auto_budget:
-            probs = path_probabilities(self.draft_logits, tree.tokens, tree.depths, vin.visibility)
+            probs = path_probabilities(*self.topk[n], tree.tokens, tree.depths, vin.visibility)
             built = bucket_sums(probs, [k for k in self.buckets if k <= n])
             unknown = built.new_full((built.shape[0], len(self.buckets) - built.shape[1]), float("nan"))
             self.sums[n] = torch.cat([built, unknown], dim=1)

@@ -6,6 +6,7 @@ from kdtree_engine.tree.ops import (
     build_tree,
     build_tree_from_logits,
     compile_tree,
+    logits_topk,
 )
 from kdtree_engine.tree_types import AcceptResult, DraftTree, VerifyInputs
 
@@ -18,4 +19,5 @@ __all__ = [
     "build_tree",
     "build_tree_from_logits",
     "compile_tree",
+    "logits_topk",
 ]

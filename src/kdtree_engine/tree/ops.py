@@ -64,6 +64,22 @@ def _as_logits(draft_logits) -> torch.Tensor:
     return logits
 
 
+def logits_topk(draft_logits, k: int, *, impl: str | None = None, validate: bool = True):
+    """draft_logits [B, L, V] -> (top_logprobs [B, L, min(k, V)] float32, top_ids int64): the inputs
+    build_tree_from_logits gives build_tree (the same values on every device and impl), for a caller
+    that also reads them (the engine's auto budget takes each node's log-probability from them)."""
+    k = v.check_budget(k)
+    logits = _as_logits(draft_logits)
+    use_ref = resolve_impl(impl, logits.device) == "ref"
+    if (validate or use_ref) and v.can_read(logits):
+        v.check_log_values(logits, "draft_logits", empty_rows=False)
+    if k == 0:
+        raise ValueError("k: expected >= 1, got 0")
+    if not use_ref:
+        return _kernels().logits_topk(logits, min(k, logits.shape[-1]))
+    return ref.logits_to_topk(logits, k)
+
+
 def build_tree_from_logits(
     draft_logits, budget: int, *, impl: str | None = None, validate: bool = True
 ) -> DraftTree:
