@@ -76,3 +76,24 @@ def test_sampled_auto_repeats_its_draws_given_the_same_choices(monkeypatch):
     first, second = (generate(target, drafter, prompts, config) for _ in range(2))
     assert first.tokens == second.tokens and first.stats.budgets == second.stats.budgets
     assert len(set(first.stats.budgets)) > 1
+
+
+def test_a_round_costs_the_host_clock_between_reads_on_cuda():
+    """On CUDA a round's cost is the host clock since the last read (device-bound or host-bound,
+    whichever is longer), only for representative rounds that follow a read; on the CPU, the seconds
+    of its own stages."""
+    import time
+    from types import SimpleNamespace
+
+    def rounds(device_type: str, last_read):
+        start = SimpleNamespace(device=SimpleNamespace(type=device_type))
+        return SimpleNamespace(state=SimpleNamespace(start=start), last_read=last_read)
+
+    cost = loop._Rounds._cost
+    steady, first = loop._InFlight(8, 5, representative=True), loop._InFlight(8, 5)
+    before = time.perf_counter() - 0.25
+    assert 0.25 <= cost(rounds("cuda", before), steady) < 10
+    assert cost(rounds("cuda", before), first) is None  # an eager round that compiled, or the prompts'
+    assert cost(rounds("cuda", None), steady) is None  # no read before it (a call's first, a capture)
+    timed = loop._InFlight(8, 5, representative=True, seconds=0.125)
+    assert cost(rounds("cpu", before), timed) == 0.125 and cost(rounds("cpu", before), first) is None

@@ -542,13 +542,13 @@ def _surely_last(run: _Run) -> bool:
 
 @dataclass
 class _InFlight:
-    """A round enqueued and not read: its bucket, its stages' count (for the timer), and the clock of
-    its cost (CUDA events around it, or the host's seconds on the CPU; None: not representative)."""
+    """A round enqueued and not read: its bucket, its stages' count (for the timer), whether its time is
+    what the bucket costs (replayed graphs, or a later eager round without graphs: no compiles, no
+    prompts), and on the CPU the host's seconds of its stages."""
 
     bucket: int
     stages: int
-    begin: object = None
-    end: object = None
+    representative: bool = False
     seconds: float | None = None
 
 
@@ -561,6 +561,9 @@ class _Rounds:
         self.run, self.state = run, state
         self.stages, self.graphs, self.host = _Stages(run, state), None, None
         self.flight: list[_InFlight] = []
+        self.last_read: float | None = None  # the host clock at the last round read (auto budget)
+        self.eager = not _use_graphs(run, state.start.device)  # rounds never captured
+        self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
         depth = run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
         self.policy = BudgetPolicy(self.stages.buckets, depth) if auto else None
@@ -574,6 +577,7 @@ class _Rounds:
         if state is not self.state:
             raise RuntimeError("_Rounds.reuse: a call of another state")
         self.run = run
+        self.last_read = None
         self.stages.reuse(run)
         if self.policy is not None:
             self.policy.new_call()
@@ -588,22 +592,15 @@ class _Rounds:
         order = self.stages.orders[bucket]
         prompts = self.state.prompt_ctx is not None  # the first draft reads the prompts: eager
         captured = self.graphs is not None and not prompts and not self.graphs.missing(order)
-        entry = _InFlight(bucket, len(order))
-        cuda = self.state.start.device.type == "cuda"
-        timed = self.policy is not None  # the auto budget measures each round's cost
-        if cuda and timed:
-            entry.begin, entry.end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            entry.begin.record()
+        steady = captured or (self.eager and bucket in self.enqueued and not prompts)
+        self.enqueued.add(bucket)
+        entry = _InFlight(bucket, len(order), steady)
         t0 = time.perf_counter()
         for st in order:
             with self.run.timer.stage(st.name):
                 replay = self.graphs is not None and not (prompts and st.key == "draft")
                 self.graphs.run(st) if replay else st.fn()
-        if cuda and timed:
-            entry.end.record()
-            if not captured:
-                entry.begin = entry.end = None  # an eager round (compiles): not what the bucket costs
-        elif timed and (captured or self.graphs is None):
+        if self.state.start.device.type != "cuda" and steady:
             entry.seconds = time.perf_counter() - t0  # the CPU works synchronously
         self.host = self.host or _HostCopy(self.state)
         self.host.send(self.state)
@@ -615,15 +612,24 @@ class _Rounds:
         sums = len(self.stages.buckets) if self.policy is not None else 0
         tokens, counts, floats = self.host.read(sums)
         if self.policy is not None:
-            seconds = entry.seconds
-            if entry.begin is not None:
-                seconds = entry.begin.elapsed_time(entry.end) / 1e3
+            seconds, self.last_read = self._cost(entry), time.perf_counter()
             rows = [r for r, on in enumerate(self.run.reqs.active) if on]
             j = self.stages.buckets.index(entry.bucket)
             spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0, j])
             self.policy.observe(entry.bucket, seconds, rows, counts, floats if spec else None)
             self.run.stats.budgets.append(entry.bucket)
         return tokens, counts
+
+    def _cost(self, entry: _InFlight) -> float | None:
+        """What the round just read cost (auto budget): on CUDA the host clock since the last round
+        read, which with rounds enqueued ahead is the device's round or the host's work per round,
+        whichever is longer (None for a round not representative, or whose read did not follow
+        another read); on the CPU its stages' own seconds."""
+        if self.state.start.device.type != "cuda":
+            return entry.seconds
+        if not entry.representative or self.last_read is None:
+            return None
+        return time.perf_counter() - self.last_read
 
     def capture(self, bucket: int) -> bool:
         """Captures the stages of `bucket` not captured yet (after their first, eager, round); True when
@@ -634,6 +640,7 @@ class _Rounds:
         elif not self.graphs.missing(order):
             return False
         self.graphs.capture(self.stages, order)
+        self.last_read = None  # the next read's interval holds the capture
         return True
 
     def discard(self) -> None:
