@@ -90,10 +90,31 @@ def test_a_round_costs_the_host_clock_between_reads_on_cuda():
         return SimpleNamespace(state=SimpleNamespace(start=start), last_read=last_read)
 
     cost = loop._Rounds._cost
-    steady, first = loop._InFlight(8, 5, representative=True), loop._InFlight(8, 5)
+    steady, first = loop._InFlight(8, [], representative=True), loop._InFlight(8, [])
     before = time.perf_counter() - 0.25
     assert 0.25 <= cost(rounds("cuda", before), steady) < 10
     assert cost(rounds("cuda", before), first) is None  # an eager round that compiled, or the prompts'
     assert cost(rounds("cuda", None), steady) is None  # no read before it (a call's first, a capture)
-    timed = loop._InFlight(8, 5, representative=True, seconds=0.125)
+    timed = loop._InFlight(8, [], representative=True, seconds=0.125)
     assert cost(rounds("cpu", before), timed) == 0.125 and cost(rounds("cpu", before), first) is None
+
+
+@pytest.mark.parametrize("steps", [False, True])
+def test_a_draft_reads_the_half_buffer_unless_autoregressive_steps_came_before(monkeypatch, steps):
+    """The context buffer holds two rounds' rows; a draft right after a speculative round reads the
+    first L + 1 rows only, one after autoregressive steps the whole buffer; output stays greedy."""
+    cheap = (lambda self, k: 1e-9 if k == 0 else 1.0) if steps else (lambda self, k: 1.0 if k == 0 else 1e-9)
+    monkeypatch.setattr(CostTable, "estimate", cheap)
+    target, drafter = tiny_target(2), tiny_drafter(2, block_size=6)
+    widths, draft = [], drafter.draft
+
+    def recording(target, ctx, *args, **kwargs):
+        widths.append(ctx.shape[1])
+        return draft(target, ctx, *args, **kwargs)
+
+    monkeypatch.setattr(drafter, "draft", recording)
+    prompts = random_prompts(4, [5, 8], target.config.vocab_size)
+    out = generate(target, drafter, prompts, GenerationConfig(max_new_tokens=30, budget="auto"))
+    assert out.tokens == greedy_generate(target, prompts, 30)
+    assert widths[0] == 8  # the prompts
+    assert set(widths[1:]) == ({12} if steps else {6})

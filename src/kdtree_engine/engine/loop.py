@@ -269,6 +269,7 @@ class _Stages:
         auto = run.config.auto_budget
         self.buckets = AUTO_BUCKETS if auto else (run.budget,)
         self.orders: dict[int, list[_Stage]] = {}
+        self.after_steps: dict[int, list[_Stage]] = {}  # auto budget: a bucket's round after AR steps
         if run.config.method == "autoregressive":
             self.orders[0] = [_Stage("verify", self.decode, True, "verify"),
                               _Stage("accept", self.accept_one, accept, "accept")]  # fmt: skip
@@ -289,6 +290,9 @@ class _Stages:
                 _Stage("verify", verify, True, "verify" + tag),
                 _Stage("accept", accept_n, accept, "accept" + tag),
             ]
+            if auto:  # after autoregressive steps: the draft reads the whole context buffer
+                wide = _Stage("draft", functools.partial(self.draft, wide=True), drafter, "draft_wide")
+                self.after_steps[n] = [wide, *self.orders[n][1:]]
 
     def _choose(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
         """_accept, with the sampled draw's keys read on the device when the stages are captured."""
@@ -308,11 +312,15 @@ class _Stages:
         else:
             setattr(self, name, value)
 
-    def draft(self) -> None:
+    def draft(self, wide: bool = False) -> None:
         """The drafter on the features it has not seen: the prompts' in a call's first round, else those
-        of the rows committed since its last call."""
+        of the rows committed since its last call. With the auto budget the context buffer holds two
+        rounds' rows: a draft after a speculative round reads its first half (at most L + 1 rows), one
+        after autoregressive steps (`wide`) the whole of it."""
         run, s = self.run, self.s
         ctx = s.prompt_ctx if s.prompt_ctx is not None else s.ctx
+        if s.prompt_ctx is None and run.config.auto_budget and not wide:
+            ctx = ctx[:, : ctx.shape[1] // 2]  # the rows of one round: the first half of the buffer
         s.prompt_ctx = None
         self._put(
             "draft_logits",
@@ -542,12 +550,12 @@ def _surely_last(run: _Run) -> bool:
 
 @dataclass
 class _InFlight:
-    """A round enqueued and not read: its bucket, its stages' count (for the timer), whether its time is
-    what the bucket costs (replayed graphs, or a later eager round without graphs: no compiles, no
-    prompts), and on the CPU the host's seconds of its stages."""
+    """A round enqueued and not read: its bucket, its stages (their count for the timer; the order to
+    capture after it), whether its time is what the bucket costs (replayed graphs, or a later eager
+    round without graphs: no compiles, no prompts), and on the CPU the host's seconds of its stages."""
 
     bucket: int
-    stages: int
+    order: list
     representative: bool = False
     seconds: float | None = None
 
@@ -562,6 +570,7 @@ class _Rounds:
         self.stages, self.graphs, self.host = _Stages(run, state), None, None
         self.flight: list[_InFlight] = []
         self.last_read: float | None = None  # the host clock at the last round read (auto budget)
+        self.steps = 0  # autoregressive steps enqueued since the last draft (auto budget)
         self.eager = not _use_graphs(run, state.start.device)  # rounds never captured
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
         depth = run.drafter.block_size if run.drafter is not None else 1
@@ -577,7 +586,7 @@ class _Rounds:
         if state is not self.state:
             raise RuntimeError("_Rounds.reuse: a call of another state")
         self.run = run
-        self.last_read = None
+        self.last_read, self.steps = None, 0
         self.stages.reuse(run)
         if self.policy is not None:
             self.policy.new_call()
@@ -590,11 +599,14 @@ class _Rounds:
 
     def enqueue(self, bucket: int) -> None:
         order = self.stages.orders[bucket]
+        if self.steps and bucket in self.stages.after_steps:
+            order = self.stages.after_steps[bucket]
+        self.steps = self.steps + 1 if bucket == 0 else 0
         prompts = self.state.prompt_ctx is not None  # the first draft reads the prompts: eager
         captured = self.graphs is not None and not prompts and not self.graphs.missing(order)
         steady = captured or (self.eager and bucket in self.enqueued and not prompts)
         self.enqueued.add(bucket)
-        entry = _InFlight(bucket, len(order), steady)
+        entry = _InFlight(bucket, order, steady)
         t0 = time.perf_counter()
         for st in order:
             with self.run.timer.stage(st.name):
@@ -631,10 +643,9 @@ class _Rounds:
             return None
         return time.perf_counter() - self.last_read
 
-    def capture(self, bucket: int) -> bool:
-        """Captures the stages of `bucket` not captured yet (after their first, eager, round); True when
-        it did (the caller times it)."""
-        order = self.stages.orders[bucket]
+    def capture(self, order: list[_Stage]) -> bool:
+        """Captures the stages of a round's `order` not captured yet (after their first, eager, round);
+        True when it did (the caller times it)."""
         if self.graphs is None:
             self.graphs = _Graphs()
         elif not self.graphs.missing(order):
@@ -646,7 +657,7 @@ class _Rounds:
     def discard(self) -> None:
         """Forgets the rounds still in flight (enqueued ahead, past the last request's end): their
         stage times are dropped and they are counted in stats.discarded_rounds."""
-        self.run.timer.drop_last(sum(e.stages for e in self.flight))
+        self.run.timer.drop_last(sum(len(e.order) for e in self.flight))
         self.run.stats.discarded_rounds += len(self.flight)
         if self.host is not None:
             self.host.forget()
@@ -670,7 +681,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
             rounds.enqueue(rounds.pick())
         if ahead and (rounds.graphs is not None or not graphs_wanted) and not _surely_last(run):
             rounds.enqueue(rounds.pick())
-        bucket = rounds.flight[0].bucket
+        bucket, order = rounds.flight[0].bucket, rounds.flight[0].order
         tokens, counts = rounds.read()  # waits for the oldest round in flight
         run.stats.rounds += 1
         run.stats.target_forwards += 1
@@ -682,7 +693,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
         run.timer.collect(wait=False)
         if graphs_wanted and any(run.reqs.active):
             t0 = run.timer.now()
-            if rounds.capture(bucket):
+            if rounds.capture(order):
                 run.stats.cuda_graphs = True
                 run.stats.capture_time += run.timer.now() - t0
     run.timer.collect()
