@@ -5,6 +5,7 @@ equality is not a bf16 property). Stats go to $OUT/engine_gpu.txt when OUT is se
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import replace
 
@@ -171,3 +172,38 @@ def test_runner_replays_later_calls_from_their_first_round_cuda(temperature):
         assert got.stats.cuda_graphs
         if seed > 1:
             assert got.stats.capture_time == 0.0
+
+
+def test_auto_budget_graphs_equal_eager_and_autoregressive(monkeypatch):
+    """Budget "auto" on CUDA with a scripted choice that visits every bucket, autoregressive steps
+    between speculative rounds (the draft then reads the whole context buffer, its own graph) and
+    speculative rounds in a row (the half buffer): replayed rounds commit what eager rounds and plain
+    greedy decoding do (float32, kernels, a real drafter), and every bucket's stages were captured."""
+    from kdtree_engine.engine import Runner
+    from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+
+    script = itertools.cycle([4, 0, 0, 8, 16, 16, 0, 32, 64, 64, 0, 8, 4])
+    real_pick = BudgetPolicy.pick
+
+    def scripted(self, active, must_draft):
+        real_pick(self, active, must_draft)  # keeps the policy's bookkeeping (one choice per round)
+        k = next(script)
+        return max(k, 4) if must_draft else k
+
+    monkeypatch.setattr(BudgetPolicy, "pick", scripted)
+    target, drafter = _models(torch.float32, seed=5)
+    prompts = random_prompts(6, [9, 21, 3], target.config.vocab_size)
+    n = 60
+    expected = greedy_generate(target, prompts, n)
+    outs = {}
+    for graphs in (False, True):
+        config = GenerationConfig(max_new_tokens=n, budget="auto", cuda_graphs=graphs)
+        runner = Runner(target, drafter, config, batch_size=3, prompt_len=21)
+        outs[graphs] = runner.generate(prompts)
+        assert outs[graphs].stats.cuda_graphs == graphs
+        if graphs:
+            keys = set(runner._rounds.graphs.graphs)
+            assert {f"verify@{k}" for k in AUTO_BUCKETS} <= keys and {"draft", "draft_wide"} <= keys
+    assert outs[True].tokens == outs[False].tokens == expected
+    assert set(outs[True].stats.budgets) == set(AUTO_BUCKETS)
+    _report(f"cuda graphs auto: {outs[True].stats.summary()}")
