@@ -338,6 +338,4 @@ def test_auto_row_reports_its_choices():
     assert (auto["method"], auto["budget"], auto["equal_to_ar"]) == ("ddtree", "auto", 2)
     assert sum(auto["budgets"].values()) == sum(r["rounds"] for r in auto["budget_report"].values()) > 0
     md = e2e_nano.markdown(rows, "header")
-    assert (
-        'Budget "auto"' in md and "| bucket | rounds | predicted | calibrated | observed | round ms |" in md
-    )
+    assert 'Budget "auto"' in md and "| bucket | rounds | predicted | expected | observed | round ms |" in md

@@ -139,17 +139,17 @@ def _merged_report(reports: list[dict]) -> dict:
     merged: dict = {}
     for report in reports:
         for k, r in report.items():
-            m = merged.setdefault(k, {"rounds": 0, "predicted": 0.0, "calibrated": 0.0, "observed": 0.0,
+            m = merged.setdefault(k, {"rounds": 0, "predicted": 0.0, "expected": 0.0, "observed": 0.0,
                                       "seconds": []})  # fmt: skip
             n = r["rounds"]
             if n:
                 m["rounds"] += n
-                for key in ("predicted", "calibrated", "observed"):
+                for key in ("predicted", "expected", "observed"):
                     m[key] += n * r[key] if r[key] == r[key] else 0.0
                 m["seconds"].append(r["seconds"])
     for m in merged.values():
         n = m["rounds"]
-        for key in ("predicted", "calibrated", "observed"):
+        for key in ("predicted", "expected", "observed"):
             m[key] = m[key] / n if n else float("nan")
         times = [t for t in m["seconds"] if t == t]
         m["seconds"] = sorted(times)[len(times) // 2] if times else float("nan")
@@ -157,17 +157,18 @@ def _merged_report(reports: list[dict]) -> dict:
 
 
 def auto_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
-    """The auto rows' choices: per bucket, rounds, mean predicted tokens per request (1 + S, and
-    calibrated), observed, and the median round time; None without an auto row."""
+    """The auto rows' choices: per bucket, rounds, mean tokens per request predicted (1 + S of the
+    round's own draft), expected by the choice (engine.budget's estimator) and observed, and the median
+    round cost; None without an auto row."""
     body = []
     for r in rows:
         for k, b in (r.get("budget_report") or {}).items():
             if b["rounds"]:
-                body.append([*lead(r), k, b["rounds"], f"{b['predicted']:.2f}", f"{b['calibrated']:.2f}",
+                body.append([*lead(r), k, b["rounds"], f"{b['predicted']:.2f}", f"{b['expected']:.2f}",
                              f"{b['observed']:.2f}", f"{b['seconds'] * 1e3:.3f}"])  # fmt: skip
     if not body:
         return None
-    heads = [*lead_heads, "bucket", "rounds", "predicted", "calibrated", "observed", "round ms"]
+    heads = [*lead_heads, "bucket", "rounds", "predicted", "expected", "observed", "round ms"]
     return markdown_table(heads, body)
 
 

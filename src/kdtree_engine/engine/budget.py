@@ -236,7 +236,7 @@ class BudgetPolicy:
     pending: deque = field(default_factory=deque)  # _Choice per round picked and not read yet
     chosen: dict[int, int] = field(default_factory=dict)  # rounds read per bucket
     predicted: dict[int, float] = field(default_factory=dict)  # sum of 1 + S per bucket (uncalibrated)
-    calibrated: dict[int, float] = field(default_factory=dict)  # sum of the E the choices expected
+    expected: dict[int, float] = field(default_factory=dict)  # sum of the E the choices expected
     observed: dict[int, float] = field(default_factory=dict)  # sum of committed tokens per bucket
     requests: dict[int, int] = field(default_factory=dict)  # (request, round) pairs per bucket
 
@@ -251,7 +251,7 @@ class BudgetPolicy:
         self.age = np.zeros(0)
         self.pending.clear()
         self.streak = 0
-        for tally in (self.chosen, self.predicted, self.calibrated, self.observed, self.requests):
+        for tally in (self.chosen, self.predicted, self.expected, self.observed, self.requests):
             tally.clear()
 
     def _rows(self, count: int) -> None:
@@ -315,7 +315,7 @@ class BudgetPolicy:
             expected = float(len(rows))
         cal.observe_drafts(own)
         cal.observe(j, accepted, own[:, j])
-        self.calibrated[bucket] = self.calibrated.get(bucket, 0.0) + expected
+        self.expected[bucket] = self.expected.get(bucket, 0.0) + expected
         self.predicted[bucket] = self.predicted.get(bucket, 0.0) + float((1.0 + own[:, j]).sum())
         self.observed[bucket] = self.observed.get(bucket, 0.0) + float(accepted.sum() + len(rows))
         self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
@@ -324,13 +324,13 @@ class BudgetPolicy:
 
     def report(self) -> dict[int, dict[str, float]]:
         """Per bucket, over this call: rounds read, mean tokens per request predicted (uncalibrated:
-        1 + S of the round's own draft; calibrated: the E its choice expected, from earlier rounds),
+        1 + S of the round's own draft; expected: the E its choice expected, from earlier rounds),
         observed, and the median round seconds; an autoregressive round commits exactly one token."""
         out = {}
         for k in self.buckets:
             n = self.requests.get(k, 0)
             mean = {key: (d.get(k, 0.0) / n if n else float("nan"))
-                    for key, d in (("predicted", self.predicted), ("calibrated", self.calibrated),
+                    for key, d in (("predicted", self.predicted), ("expected", self.expected),
                                    ("observed", self.observed))}  # fmt: skip
             if k == 0:
                 mean = dict.fromkeys(mean, 1.0)
