@@ -29,8 +29,9 @@ acceptance persists from round to round (the slope carries the last draft's conf
 sampling it hardly does, and the fit falls back to the bucket's mean.
 
 The cost. c(n) is the measured time of a round of bucket n at this batch (seconds, the median of the
-last rounds of that bucket, CUDA events around the round, or the wall clock on the CPU). A bucket not
-measured yet costs 0, so that each gets tried once, the smallest first.
+last rounds of that bucket): on CUDA the host clock between two reads, which with rounds enqueued
+ahead is the device's round or the host's work per round, whichever is longer; on the CPU the round's
+own wall time. A bucket not measured yet costs 0, so that each gets tried, the smallest first.
 
 The choice: argmax over buckets of sum_b E_b(n) / c(n), over the requests still running.
 """
