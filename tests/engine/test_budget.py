@@ -21,7 +21,6 @@ from kdtree_engine.engine.budget import (
     CostTable,
     bucket_sums,
     choose,
-    expected_tokens,
     path_probabilities,
 )
 from kdtree_engine.tree import DraftTree, build_tree_from_logits, compile_tree, logits_topk
@@ -124,7 +123,7 @@ def test_choice_maximizes_tokens_per_second():
     buckets = (0, 8, 32)
     cal = Calibration(buckets)
     sums = [[0.0, 2.0, 3.0], [0.0, 1.0, 1.2]]  # two requests' S at each bucket
-    expected = expected_tokens(sums, cal)
+    expected = cal.expected(np.array(sums)).sum(axis=0).tolist()  # E summed over the requests
     assert expected == [2.0, 5.0, 6.2]
     assert choose(expected, [1.0, 2.0, 3.0]) == 1  # 2.5 tokens per unit against 2.0 and 2.07
     assert choose(expected, [1.0, 3.0, 4.0]) == 0  # speculation off: 2.0 against 1.67 and 1.55

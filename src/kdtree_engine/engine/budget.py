@@ -193,13 +193,6 @@ class CostTable:
         return 0.0 if own is None else own
 
 
-def expected_tokens(seen: Sequence[Sequence[float]], calibration: Calibration) -> list[float]:
-    """Per bucket, the expected committed tokens of the batch: the sum over the running requests of
-    E_b(n) (seen: per running request, the S its choice sees at each bucket)."""
-    rows = np.asarray(seen, dtype=np.float64).reshape(-1, len(calibration.buckets))
-    return calibration.expected(rows).sum(axis=0).tolist()
-
-
 def choose(expected: Sequence[float], costs: Sequence[float]) -> int:
     """The index of the bucket with the most expected tokens per second; a bucket of cost 0 (never
     measured) first, the smallest such (exploration); ties: the smaller."""
@@ -231,8 +224,8 @@ class BudgetPolicy:
     depth: int
     calibration: Calibration = field(init=False)
     costs: CostTable = field(init=False)
-    sums: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [rows, buckets], NaN: none read
-    age: np.ndarray = field(default_factory=lambda: np.zeros(0))  # rounds picked since a row's S was read
+    sums: np.ndarray = field(init=False)  # [rows, buckets]: each request row's last S read, NaN: none
+    age: np.ndarray = field(init=False)  # [rows]: rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
     pending: deque = field(default_factory=deque)  # _Choice per round picked and not read yet
     chosen: dict[int, int] = field(default_factory=dict)  # rounds read per bucket
@@ -244,6 +237,7 @@ class BudgetPolicy:
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
         self.costs = CostTable(self.buckets)
+        self.new_call()
 
     def new_call(self) -> None:
         """A Runner's next call: its requests, the rounds left unread and its report start afresh; the
@@ -257,12 +251,10 @@ class BudgetPolicy:
 
     def _rows(self, count: int) -> None:
         """Room for `count` request rows (a new row has no S read yet)."""
-        k = len(self.buckets)
-        if self.sums.shape != (max(count, self.sums.shape[0]), k):
-            grown = np.full((max(count, self.sums.shape[0]), k), np.nan)
-            grown[: self.sums.shape[0], : self.sums.shape[1]] = self.sums
-            self.sums = grown
-            self.age = np.concatenate([self.age, np.zeros(grown.shape[0] - self.age.shape[0])])
+        more = count - self.sums.shape[0]
+        if more > 0:
+            self.sums = np.concatenate([self.sums, np.full((more, len(self.buckets)), np.nan)])
+            self.age = np.concatenate([self.age, np.zeros(more)])
 
     def _seen(self, rows: np.ndarray) -> np.ndarray:
         """The S at every bucket the choice sees for the request rows: each one's last draft's, pulled

@@ -555,7 +555,7 @@ class _InFlight:
     round without graphs: no compiles, no prompts), and on the CPU the host's seconds of its stages."""
 
     bucket: int
-    order: list
+    order: list[_Stage]
     representative: bool = False
     seconds: float | None = None
 
