@@ -118,3 +118,26 @@ def test_a_draft_reads_the_half_buffer_unless_autoregressive_steps_came_before(m
     assert out.tokens == greedy_generate(target, prompts, 30)
     assert widths[0] == 8  # the prompts
     assert set(widths[1:]) == ({12} if steps else {6})
+
+
+def test_the_read_after_an_eager_enqueue_is_not_timed(monkeypatch):
+    """An eager round's enqueue (its first replay-less run, compiles included) happens between two
+    reads: the clock restarts at the next read, so no bucket is charged for it (a charged one would
+    look seconds dear and never be picked again)."""
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: True)
+    enqueue, seen = loop._Rounds.enqueue, []
+
+    def recording(self, bucket):
+        enqueue(self, bucket)
+        seen.append((self.flight[-1].representative, self.last_read))
+
+    monkeypatch.setattr(loop._Rounds, "enqueue", recording)
+    target, drafter = tiny_target(3), tiny_drafter(3, block_size=6)
+    prompts = random_prompts(6, [5, 9], target.config.vocab_size)
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=24, budget="auto"), batch_size=2,
+                    prompt_len=9)  # fmt: skip
+    runner.generate(prompts)
+    runner.generate(prompts)
+    eager = [last for steady, last in seen if not steady]
+    assert eager and all(last is None for last in eager)
+    assert any(steady and last is not None for steady, last in seen)  # the later rounds are timed

@@ -14,6 +14,7 @@ from kdtree_engine.engine import SamplingParams, accept_tokens
 from kdtree_engine.engine.budget import (
     AUTO_BUCKETS,
     COST_WINDOW,
+    MIN_COST_ROUNDS,
     PRIOR_PAIRS,
     SLOPE_PAIRS,
     BudgetPolicy,
@@ -107,11 +108,19 @@ def test_calibration_is_accepted_over_predicted_per_bucket_and_borrows_the_neare
     assert cal.ratio(3) == pytest.approx(6 / 8) and cal.ratio(5) == pytest.approx(0.5)
 
 
+def _measured(costs: CostTable, bucket: int, seconds: float) -> None:
+    for _ in range(MIN_COST_ROUNDS):
+        costs.observe(bucket, seconds)
+
+
 def test_costs_are_medians_and_unmeasured_buckets_get_tried():
+    assert MIN_COST_ROUNDS == 3
     costs = CostTable(AUTO_BUCKETS)
     assert costs.estimate(8) == 0.0  # not measured: try it
-    for t in (3.0, 1.0, 2.0):
+    for t in (3.0, 1.0):
         costs.observe(16, t)
+    assert costs.measured(16) == 2.0 and costs.estimate(16) == 0.0  # two rounds: tried again
+    costs.observe(16, 2.0)
     assert costs.measured(16) == 2.0 and costs.estimate(16) == 2.0
     assert costs.estimate(0) == costs.estimate(32) == 0.0
     for t in range(40):  # the last COST_WINDOW rounds only
@@ -161,8 +170,8 @@ def test_a_bad_draft_does_not_keep_speculation_off():
     """One request whose last draft was poor: the policy steps autoregressively, and as that S grows
     stale it returns to the bucket's level and the policy drafts again, long before L + 1 rounds."""
     policy = BudgetPolicy((0, 16), depth=16)
-    policy.costs.observe(0, 1.0)
-    policy.costs.observe(16, 3.5)
+    _measured(policy.costs, 0, 1.0)
+    _measured(policy.costs, 16, 3.5)
     cal = policy.calibration
     xs = np.array([2.0, 6.0] * 8)  # acceptance follows the S seen: slope 1 (0.5 once shrunk), level 4
     cal.observe_choices(1, xs, xs)
@@ -179,8 +188,8 @@ def test_choices_learn_from_what_they_saw():
     """The fit pairs the S each choice saw (an earlier round's, rounds are pipelined) with the
     acceptance of the round it chose, in pick order."""
     policy = BudgetPolicy((0, 8), depth=8)
-    policy.costs.observe(0, 1.0)
-    policy.costs.observe(8, 1.0)
+    _measured(policy.costs, 0, 1.0)
+    _measured(policy.costs, 8, 1.0)
     policy.pick([True, True], must_draft=True)  # nothing read yet: sees zeros
     policy.observe(8, None, [0, 1], [2, 2], np.array([[0.0, 3.0], [0.0, 1.0]]))
     policy.pick([True, True], must_draft=True)  # sees 3 and 1 (age 0: read since)

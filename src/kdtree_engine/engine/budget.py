@@ -31,7 +31,8 @@ sampling it hardly does, and the fit falls back to the bucket's mean.
 The cost. c(n) is the measured time of a round of bucket n at this batch (seconds, the median of the
 last rounds of that bucket): on CUDA the host clock between two reads, which with rounds enqueued
 ahead is the device's round or the host's work per round, whichever is longer; on the CPU the round's
-own wall time. A bucket not measured yet costs 0, so that each gets tried, the smallest first.
+own wall time. A bucket measured fewer than MIN_COST_ROUNDS times costs 0, so that each gets tried,
+the smallest first, until one odd round (a graph's first replay) no longer decides its cost.
 
 The choice: argmax over buckets of sum_b E_b(n) / c(n), over the requests still running.
 """
@@ -48,6 +49,7 @@ import torch
 
 AUTO_BUCKETS = (0, 4, 8, 16, 32, 64)  # nodes verified per round besides the root
 COST_WINDOW = 16  # rounds per bucket whose median is its cost
+MIN_COST_ROUNDS = 3  # rounds measured before a bucket's median counts
 PRIOR_PAIRS = 4.0  # pseudo-pairs of the calibrated prediction in a bucket's mean acceptance
 SLOPE_PAIRS = 16.0  # pairs at which a bucket's fitted slope counts half
 STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
@@ -187,10 +189,11 @@ class CostTable:
         return statistics.median(t) if t else None
 
     def estimate(self, bucket: int) -> float:
-        """The bucket's median, or 0 for one not measured yet (so that every bucket gets tried once:
-        an autoregressive step costs far less than any tree, which no neighbour tells)."""
-        own = self.measured(bucket)
-        return 0.0 if own is None else own
+        """The bucket's median, or 0 for one measured fewer than MIN_COST_ROUNDS times (so that every
+        bucket gets tried: an autoregressive step costs far less than any tree, which no neighbour
+        tells)."""
+        t = self.times.get(bucket)
+        return statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
 
 
 def choose(expected: Sequence[float], costs: Sequence[float]) -> int:

@@ -606,6 +606,8 @@ class _Rounds:
         captured = self.graphs is not None and not prompts and not self.graphs.missing(order)
         steady = captured or (self.eager and bucket in self.enqueued and not prompts)
         self.enqueued.add(bucket)
+        if not steady:  # its host work (eager stages, first-call compiles) lands in the read interval
+            self.last_read = None
         entry = _InFlight(bucket, order, steady)
         t0 = time.perf_counter()
         for st in order:
@@ -635,8 +637,9 @@ class _Rounds:
     def _cost(self, entry: _InFlight) -> float | None:
         """What the round just read cost (auto budget): on CUDA the host clock since the last round
         read, which with rounds enqueued ahead is the device's round or the host's work per round,
-        whichever is longer (None for a round not representative, or whose read did not follow
-        another read); on the CPU its stages' own seconds."""
+        whichever is longer (None for a round not representative: eager; or when the interval since
+        the last read holds a capture or the enqueue of an eager round, whose host work can take
+        seconds); on the CPU its stages' own seconds."""
         if self.state.start.device.type != "cuda":
             return entry.seconds
         if not entry.representative or self.last_read is None:
