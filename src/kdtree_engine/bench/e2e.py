@@ -129,6 +129,7 @@ def summarize(outputs) -> dict:
         "stages_ms": per_round,
         "overhead": (round_ms - core) / round_ms if round_ms else float("nan"),
         "graphs": all(s.cuda_graphs for s in stats),
+        "eager_rounds": sum(s.eager_rounds for s in stats),
         "budgets": dict(sorted(sum((Counter(s.budget_histogram) for s in stats), Counter()).items())),
         "budget_report": _merged_report([s.budget_report for s in stats if s.budget_report]),
     }
@@ -142,11 +143,10 @@ def _merged_report(reports: list[dict]) -> dict:
             m = merged.setdefault(k, {"rounds": 0, "predicted": 0.0, "expected": 0.0, "observed": 0.0,
                                       "seconds": []})  # fmt: skip
             n = r["rounds"]
-            if n:
-                m["rounds"] += n
-                for key in ("predicted", "expected", "observed"):
-                    m[key] += n * r[key] if r[key] == r[key] else 0.0
-                m["seconds"].append(r["seconds"])
+            m["rounds"] += n
+            for key in ("predicted", "expected", "observed"):
+                m[key] += n * r[key] if n and r[key] == r[key] else 0.0
+            m["seconds"].append(r["seconds"])  # a bucket's cost is known without rounds in this call
     for m in merged.values():
         n = m["rounds"]
         for key in ("predicted", "expected", "observed"):
@@ -159,13 +159,15 @@ def _merged_report(reports: list[dict]) -> dict:
 def auto_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
     """The auto rows' choices: per bucket, rounds, mean tokens per request predicted (1 + S of the
     round's own draft), expected by the choice (engine.budget's estimator) and observed, and the median
-    round cost; None without an auto row."""
+    round cost the policy held (also for a bucket it did not pick in these calls); None without an auto
+    row."""
     body = []
     for r in rows:
         for k, b in (r.get("budget_report") or {}).items():
-            if b["rounds"]:
-                body.append([*lead(r), k, b["rounds"], f"{b['predicted']:.2f}", f"{b['expected']:.2f}",
-                             f"{b['observed']:.2f}", f"{b['seconds'] * 1e3:.3f}"])  # fmt: skip
+            if not b["rounds"] and b["seconds"] != b["seconds"]:
+                continue
+            means = [f"{b[key]:.2f}" if b["rounds"] else "-" for key in ("predicted", "expected", "observed")]
+            body.append([*lead(r), k, b["rounds"], *means, f"{b['seconds'] * 1e3:.3f}"])
     if not body:
         return None
     heads = [*lead_heads, "bucket", "rounds", "predicted", "expected", "observed", "round ms"]

@@ -606,6 +606,8 @@ class _Rounds:
         captured = self.graphs is not None and not prompts and not self.graphs.missing(order)
         steady = captured or (self.eager and bucket in self.enqueued and not prompts)
         self.enqueued.add(bucket)
+        if not (self.eager or captured or prompts):
+            self.run.stats.eager_rounds += 1
         if not steady:  # its host work (eager stages, first-call compiles) lands in the read interval
             self.last_read = None
         entry = _InFlight(bucket, order, steady)
