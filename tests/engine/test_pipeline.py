@@ -85,3 +85,49 @@ def test_no_round_is_enqueued_after_one_that_surely_ends_every_request(monkeypat
     config = GenerationConfig(max_new_tokens=9, method="autoregressive")
     out = _run(monkeypatch, True, target, None, prompts, config)
     assert out.tokens == greedy_generate(target, prompts, 9) and out.stats.discarded_rounds == 0
+
+
+class _HostGraphs:
+    """loop._Graphs on the CPU: the same bookkeeping (a stage is captured once, after its first eager
+    run), a replay that runs the stage."""
+
+    captures = 0
+
+    def __init__(self) -> None:
+        self.graphs: dict[str, None] = {}
+
+    def missing(self, order) -> bool:
+        return any(st.capturable and st.key not in self.graphs for st in order)
+
+    def capture(self, stages, order) -> None:
+        self.graphs.update((st.key, None) for st in order if st.capturable)
+        stages.frozen = True
+        _HostGraphs.captures += 1
+
+    def run(self, stage) -> None:
+        stage.fn()
+
+
+@pytest.mark.parametrize("budget", [8, "auto"])
+def test_steady_rounds_never_sync_the_device(monkeypatch, budget):
+    """With graphs on, the loop syncs the device (StageTimer.now) around a capture only: a call syncs
+    at its start and end and twice per capture, and nowhere else, or the host's work of each round
+    would stop overlapping the device's."""
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: True)
+    monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(loop, "_Graphs", _HostGraphs)
+    syncs = []
+    now = loop.StageTimer.now
+    monkeypatch.setattr(loop.StageTimer, "now", lambda self: syncs.append(1) or now(self))
+    target, drafter = tiny_target(2), tiny_drafter(2, block_size=6)
+    prompts = random_prompts(3, [5, 8], target.config.vocab_size)
+    runner = loop.Runner(target, drafter, GenerationConfig(max_new_tokens=40, budget=budget), batch_size=2,
+                         prompt_len=8)  # fmt: skip
+    for call in range(3):
+        syncs.clear()
+        _HostGraphs.captures = 0
+        out = runner.generate(prompts, stage_timing=False)
+        assert out.tokens == greedy_generate(target, prompts, 40)
+        assert out.stats.rounds > 4
+        assert len(syncs) == 2 + 2 * _HostGraphs.captures  # the call's wall clock, and each capture's
+        assert call > 0 or _HostGraphs.captures > 0

@@ -648,16 +648,16 @@ class _Rounds:
             return None
         return time.perf_counter() - self.last_read
 
-    def capture(self, order: list[_Stage]) -> bool:
-        """Captures the stages of a round's `order` not captured yet (after their first, eager, round);
-        True when it did (the caller times it)."""
+    def uncaptured(self, order: list[_Stage]) -> bool:
+        """Whether a capturable stage of `order` has no graph yet."""
+        return self.graphs is None or self.graphs.missing(order)
+
+    def capture(self, order: list[_Stage]) -> None:
+        """Captures the stages of a round's `order` not captured yet (after their first, eager, round)."""
         if self.graphs is None:
             self.graphs = _Graphs()
-        elif not self.graphs.missing(order):
-            return False
         self.graphs.capture(self.stages, order)
         self.last_read = None  # the next read's interval holds the capture
-        return True
 
     def discard(self) -> None:
         """Forgets the rounds still in flight (enqueued ahead, past the last request's end): their
@@ -696,11 +696,11 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
         if not any(run.reqs.active):
             rounds.discard()
         run.timer.collect(wait=False)
-        if graphs_wanted and any(run.reqs.active):
-            t0 = run.timer.now()
-            if rounds.capture(order):
-                run.stats.cuda_graphs = True
-                run.stats.capture_time += run.timer.now() - t0
+        if graphs_wanted and any(run.reqs.active) and rounds.uncaptured(order):
+            t0 = run.timer.now()  # a device sync: only before a capture, never in a steady round
+            rounds.capture(order)
+            run.stats.cuda_graphs = True
+            run.stats.capture_time += run.timer.now() - t0
     run.timer.collect()
     return rounds
 
