@@ -129,12 +129,18 @@ class Calibration:
 
     def ratio(self, j: int) -> float:
         """r_n of bucket index j: accepted / predicted of this bucket, else of the nearest bucket with
-        a prediction, else 1 (a calibrated drafter)."""
-        tried = [i for i in range(len(self.buckets)) if self.predicted[i] > 0]
-        if not tried:
-            return 1.0
-        i = min(tried, key=lambda i: (abs(self.buckets[i] - self.buckets[j]), self.buckets[i]))
-        return float(self.accepted[i] / self.predicted[i])
+        a prediction (the smaller of two as near), else 1 (a calibrated drafter)."""
+        return float(self.ratios()[j])
+
+    def ratios(self) -> np.ndarray:
+        """ratio(j) of every bucket index j, at once."""
+        tried = self.predicted > 0
+        if not tried.any():
+            return np.ones(len(self.buckets))
+        sizes = np.asarray(self.buckets, dtype=np.float64)
+        far = np.abs(sizes[None, :] - sizes[:, None]) * (2.0 * sizes.max() + 2.0) + sizes[None, :]
+        nearest = np.where(tried[None, :], far, np.inf).argmin(axis=1)  # [j]: the bucket it borrows
+        return self.accepted[nearest] / self.predicted[nearest]
 
     def levels(self) -> np.ndarray:
         """The mean S at each bucket over every draft read that built it (NaN before any)."""
@@ -154,7 +160,7 @@ class Calibration:
         """(a, b) per bucket: a request's E(n) = max(1, a + b x) for the S x its choice sees (module
         docstring). Without pairs: 1 + r x; bucket 0 (autoregressive): 1."""
         k = len(self.buckets)
-        ratios = np.array([self.ratio(j) for j in range(k)])
+        ratios = self.ratios()
         beta = self.slopes()
         n = np.maximum(self.n, 1.0)
         levels = self.levels()
