@@ -159,7 +159,6 @@ class Calibration:
     def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         """(a, b) per bucket: a request's E(n) = max(1, a + b x) for the S x its choice sees (module
         docstring). Without pairs: 1 + r x; bucket 0 (autoregressive): 1."""
-        k = len(self.buckets)
         ratios = self.ratios()
         beta = self.slopes()
         n = np.maximum(self.n, 1.0)
