@@ -4,11 +4,14 @@ AttributeError or a Triton driver error."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
 from kdtree_engine.engine import GenerationConfig, generate
 from kdtree_engine.engine.checks import check_drafter, check_target
+from kdtree_engine.kernels import TREE_KERNELS
 from tests.engine.helpers import tiny_drafter, tiny_target
 
 CONFIG = GenerationConfig(max_new_tokens=4, budget=4)
@@ -139,7 +142,9 @@ def no_interpreter(monkeypatch):
     import kdtree_engine.kernels.mla_attention_triton  # noqa: F401
     import kdtree_engine.kernels.moe  # noqa: F401
     import kdtree_engine.kernels.rope  # noqa: F401
-    import kdtree_engine.kernels.tree  # noqa: F401
+
+    for module in TREE_KERNELS:
+        importlib.import_module(module)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 

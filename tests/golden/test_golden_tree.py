@@ -19,7 +19,7 @@ INTERPRETER_MAX_BUDGET = 16
 
 def impls():
     try:
-        import kdtree_engine.kernels.tree  # noqa: F401
+        import kdtree_engine.kernels.tree_build  # noqa: F401
     except ImportError:
         return ["ref"]
     return ["ref", "triton"]
@@ -33,7 +33,7 @@ def check_from_logits(logits, budget: int, impl: str, t: dict) -> None:
     assert torch.equal(tree.tokens.cpu(), t["out.tokens"])
     if impl == "ref" or budget == 0:
         return
-    from kdtree_engine.kernels.tree import logits_topk
+    from kdtree_engine.kernels.tree_topk import logits_topk
 
     lp, ids = logits_topk(logits, min(budget, logits.shape[-1]))
     assert torch.equal(ids.cpu(), t["in.top_ids"])

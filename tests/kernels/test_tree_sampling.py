@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kdtree_engine import tree as T
-from kdtree_engine.kernels import tree as kernels
+from kdtree_engine.kernels import tree_sample as kernels
 from kdtree_engine.ref import sampling
 from kdtree_engine.ref import tree as ref
 

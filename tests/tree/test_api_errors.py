@@ -5,6 +5,7 @@ distribution in accept_sampled (`target_logits`)."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import warnings
 from functools import partial
@@ -14,6 +15,7 @@ import torch
 
 from kdtree_engine import attention
 from kdtree_engine.impl import check_impl, resolve_impl
+from kdtree_engine.kernels import TREE_KERNELS
 from kdtree_engine.ref.tree import MAX_BUDGET
 from kdtree_engine.tree import accept_greedy, accept_sampled, build_tree, build_tree_from_logits, compile_tree
 
@@ -67,7 +69,9 @@ def no_interpreter(monkeypatch):
 
     import kdtree_engine.kernels.mla_attention_hopper  # noqa: F401
     import kdtree_engine.kernels.mla_attention_triton  # noqa: F401
-    import kdtree_engine.kernels.tree  # noqa: F401
+
+    for module in TREE_KERNELS:
+        importlib.import_module(module)
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 

@@ -145,23 +145,29 @@ def _same_tree(peer_tree, tree, r: int) -> bool:
 def _gpu_peer_row(name: str, make, budget: int, logits, lp, ids, roots, starts, timed, seed: int) -> dict:
     """Ours and the port from the same inputs to the verify inputs, and its trees against ours."""
     from kdtree_engine.bench.peers import token_paths
-    from kdtree_engine.kernels import tree as kernels
+    from kdtree_engine.kernels.tree_build import build_tree
+    from kdtree_engine.kernels.tree_compile import compile_tree
+    from kdtree_engine.kernels.tree_topk import logits_topk
+    from kdtree_engine.tree import build_tree_from_logits
 
     port = make(*logits.shape[:2], budget, logits.device)
 
     def ours(tree):
-        return kernels.compile_tree(tree, roots, starts)
+        return compile_tree(tree, roots, starts)
+
+    def from_logits():
+        return build_tree_from_logits(logits, budget, impl="triton", validate=False)
 
     row = {
-        "gpu logits->verify": timed(lambda: ours(kernels.build_tree_from_logits(logits, budget))),
-        "gpu topk->verify": timed(lambda: ours(kernels.build_tree(lp, ids, budget))),
+        "gpu logits->verify": timed(lambda: ours(from_logits())),
+        "gpu topk->verify": timed(lambda: ours(build_tree(lp, ids, budget))),
         f"{name} logits->verify": timed(lambda: port.from_logits(logits, roots, starts)),
         f"{name} topk->verify": timed(lambda: port.from_topk(lp, ids, roots, starts)),
     }
     gen = torch.Generator(logits.device).manual_seed(seed)
     fp32 = torch.randn(logits.shape, generator=gen, device=logits.device) * 2  # no ties in practice
-    lp32, ids32 = kernels.logits_topk(fp32, min(budget, fp32.shape[-1]))
-    tree = kernels.build_tree(lp32, ids32, budget)
+    lp32, ids32 = logits_topk(fp32, min(budget, fp32.shape[-1]))
+    tree = build_tree(lp32, ids32, budget)
     n, tokens, parents = tree.num_nodes.tolist(), tree.tokens.tolist(), tree.parents.tolist()
     want = [token_paths(tokens[r][: n[r]], parents[r]) for r in range(len(n))]
     for key, run in (("topk", lambda: port.from_topk(lp32, ids32, roots, starts)),
@@ -178,28 +184,34 @@ def _label(device: torch.device) -> str:
 
 
 def _bench_config(b: int, budget: int, logits: torch.Tensor, peers: dict, gpu_peers: dict, args) -> dict:
-    from kdtree_engine.kernels import tree as kernels
+    from kdtree_engine.kernels.tree_accept import accept_greedy
+    from kdtree_engine.kernels.tree_build import build_tree
+    from kdtree_engine.kernels.tree_compile import compile_tree
+    from kdtree_engine.kernels.tree_topk import logits_topk
     from kdtree_engine.ref import tree as ref
+    from kdtree_engine.tree import build_tree_from_logits
 
     dev = logits.device
     on_gpu = dev.type == "cuda"
     k = min(budget, logits.shape[-1])
-    lp, ids = kernels.logits_topk(logits, k)
-    tree = kernels.build_tree(lp, ids, budget)
+    lp, ids = logits_topk(logits, k)
+    tree = build_tree(lp, ids, budget)
     roots = torch.zeros(b, dtype=torch.int64, device=dev)
     starts = torch.full((b,), 100, dtype=torch.int64, device=dev)
     # targets = the next node's token: long accepts on chain-like trees
-    target = kernels.compile_tree(tree, roots, starts).input_ids.roll(-1, dims=1).contiguous()
+    target = compile_tree(tree, roots, starts).input_ids.roll(-1, dims=1).contiguous()
 
     def timed(fn):
         return _gpu_us(fn, args.graph_calls, args.rep_ms) if on_gpu else _host_us(fn, args.host_iters, dev)
 
     dev_label = _label(dev)
     row = {"B": b, "budget": budget}
-    row[f"{dev_label} topk->tree"] = timed(lambda: kernels.build_tree(lp, ids, budget))
-    row[f"{dev_label} logits->tree"] = timed(lambda: kernels.build_tree_from_logits(logits, budget))
-    row[f"{dev_label} compile"] = timed(lambda: kernels.compile_tree(tree, roots, starts))
-    row[f"{dev_label} accept"] = timed(lambda: kernels.accept_greedy(tree, target))
+    row[f"{dev_label} topk->tree"] = timed(lambda: build_tree(lp, ids, budget))
+    row[f"{dev_label} logits->tree"] = timed(
+        lambda: build_tree_from_logits(logits, budget, impl="triton", validate=False)
+    )
+    row[f"{dev_label} compile"] = timed(lambda: compile_tree(tree, roots, starts))
+    row[f"{dev_label} accept"] = timed(lambda: accept_greedy(tree, target))
     lp_host, ids_host = lp.cpu(), ids.cpu()
     want = ref.build_tree(lp_host, ids_host, budget)
     row["exact vs ref"] = all(

@@ -12,11 +12,21 @@ from kdtree_engine.ref import tree as ref
 from kdtree_engine.tree import validate as v
 from kdtree_engine.tree_types import AcceptResult, DraftTree, VerifyInputs
 
+# The Triton kernels are imported where an op dispatches to them (lazily: triton is optional).
 
-def _kernels():
-    from kdtree_engine.kernels import tree as kernels  # imported lazily: triton is optional
 
-    return kernels
+def _kernel_tree_from_logits(logits: torch.Tensor, budget: int) -> DraftTree:
+    """build_tree_from_logits on the kernels (logits validated): the top-k (k = min(budget, V)) with the
+    log-softmax normalizer, then the best-first build."""
+    from kdtree_engine.kernels.tree_build import build_tree as kernel_build
+    from kdtree_engine.kernels.tree_topk import logits_topk as kernel_topk
+
+    b, depth, vocab = logits.shape
+    if budget == 0 or b * depth == 0:
+        lp = torch.zeros((b, depth, 1), dtype=torch.float32, device=logits.device)
+        return kernel_build(lp, lp.long(), budget)
+    lp, ids = kernel_topk(logits, min(budget, vocab))
+    return kernel_build(lp, ids, budget)
 
 
 def build_tree(
@@ -43,7 +53,9 @@ def build_tree(
     budget = v.check_budget(budget)
     lp, ids = v.check_topk_inputs(top_logprobs, top_ids, vocab_size, validate)
     if resolve_impl(impl, lp.device) == "triton":
-        return _kernels().build_tree(lp, ids, budget)
+        from kdtree_engine.kernels.tree_build import build_tree as kernel_build
+
+        return kernel_build(lp, ids, budget)
     return ref.build_tree(lp, ids, budget)
 
 
@@ -76,7 +88,9 @@ def logits_topk(draft_logits, k: int, *, impl: str | None = None, validate: bool
     if k == 0:
         raise ValueError("k: expected >= 1, got 0")
     if not use_ref:
-        return _kernels().logits_topk(logits, min(k, logits.shape[-1]))
+        from kdtree_engine.kernels.tree_topk import logits_topk as kernel_topk
+
+        return kernel_topk(logits, min(k, logits.shape[-1]))
     return ref.logits_to_topk(logits, k)
 
 
@@ -98,7 +112,7 @@ def build_tree_from_logits(
     if (validate or use_ref) and v.can_read(logits):
         v.check_log_values(logits, "draft_logits", empty_rows=False)
     if not use_ref:
-        return _kernels().build_tree_from_logits(logits, budget)
+        return _kernel_tree_from_logits(logits, budget)
     if budget == 0:
         empty = logits.new_zeros(*logits.shape[:2], 1)
         return ref.build_tree(empty, empty.long(), 0)
@@ -144,7 +158,9 @@ def compile_tree(
     if validate and v.can_read(starts):
         v.check_ranges({"root_tokens": (roots, vocab_size), "start_positions": (starts, None)})
     if resolve_impl(impl, tree.device) == "triton":
-        return _kernels().compile_tree(tree, roots, starts)
+        from kdtree_engine.kernels.tree_compile import compile_tree as kernel_compile
+
+        return kernel_compile(tree, roots, starts)
     return ref.compile_tree(tree, roots, starts)
 
 
@@ -166,7 +182,9 @@ def accept_greedy(
     if validate and v.can_read(target):
         v.check_ranges({"target_tokens": (target, vocab_size)})
     if resolve_impl(impl, tree.device) == "triton":
-        return _kernels().accept_greedy(tree, target)
+        from kdtree_engine.kernels.tree_accept import accept_greedy as kernel_accept
+
+        return kernel_accept(tree, target)
     return ref.accept_greedy(tree, target)
 
 
@@ -279,7 +297,9 @@ def accept_sampled(
         v.check_sampling_logits(logits, "target_logits", t32)
     cutoffs = ref_sampling.sampling_cutoffs(logits, temperature, top_k, top_p)
     if use_kernels:
-        kernels = _kernels()
-        sampled = kernels.sample_tokens(logits.contiguous(), noise, cutoffs, t32)
-        return kernels.accept_greedy(tree, sampled), sampled
+        from kdtree_engine.kernels.tree_accept import accept_greedy as kernel_accept
+        from kdtree_engine.kernels.tree_sample import sample_tokens
+
+        sampled = sample_tokens(logits.contiguous(), noise, cutoffs, t32)
+        return kernel_accept(tree, sampled), sampled
     return ref_sampling.accept_sampled(tree, logits, noise, cutoffs, t32)
