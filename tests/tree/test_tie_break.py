@@ -37,3 +37,29 @@ def test_budget_zero_is_root_only():
     res = accept_greedy(tree, torch.tensor([[7], [8]]), impl="ref")
     assert res.accept_len.tolist() == [1, 1] and res.bonus.tolist() == [7, 8]
     assert res.accepted.tolist() == [[0, -1, -1, -1], [0, -1, -1, -1]]
+
+
+def test_kernel_walk_equals_ref_on_tied_trees_shallower_and_deeper_than_their_budget():
+    """The shared greedy-walk kernel (Triton, the interpreter on the CPU) against the reference on
+    trees with tied log-probs and repeated tokens, budgets from 0 up, so that the accepted path's width
+    L + 1 is sometimes larger than the node count N (budget 0 to 3 at depth up to 8)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(40):
+        depth = int(torch.randint(1, 9, (), generator=gen))
+        vocab = int(torch.randint(2, 5, (), generator=gen))
+        budget = int(torch.randint(0, 10, (), generator=gen))
+        lp = (
+            torch.randint(-2, 1, (3, depth, vocab), generator=gen)
+            .float()
+            .sort(dim=-1, descending=True)
+            .values
+        )
+        ids = torch.randint(0, 3, (3, depth, vocab), generator=gen)  # repeated tokens: sibling ties
+        tree = build_tree(lp, ids, budget, impl="ref")
+        target = torch.randint(0, 3, (3, budget + 1), generator=gen)
+        want, got = (accept_greedy(tree, target, impl=impl) for impl in ("ref", "triton"))
+        for field in ("accepted", "accept_len", "bonus"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (field, budget, depth)
