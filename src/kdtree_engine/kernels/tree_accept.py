@@ -1,5 +1,5 @@
 """The greedy walk of a draft tree on the GPU, one kernel for both layouts that walk it: ours (twin of
-ref.tree.accept_greedy) and the SGLang port's (kernels/sglang_follow.py, twin of
+ref.tree.accept_greedy) and the SGLang port's (kernels/sglang_verify.follow_path, twin of
 ref.sglang_verify.follow_verified_path).
 
 One program per request keeps the request's parents and draft tokens in registers and walks from the

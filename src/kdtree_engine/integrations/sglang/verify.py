@@ -7,7 +7,7 @@ FlashAttention path) it instead rewrites the visibility rows of the padding slot
 place, as the port does. follow_verified_tree_gpu walks the target's greedy predictions down each tree
 and returns the accepted path.
 
-On CUDA both run our Triton kernels (kernels/sglang_compile.py, kernels/sglang_follow.py) without
+On CUDA both run our Triton kernels (kernels/sglang_verify.py) without
 reading anything back to the host, except where the port's contract needs a host value: the packed
 mask's size depends on the past lengths, so they are read when past_lens_cpu is not given. On other
 devices the torch reference runs. Outputs go into the caller's buffers where given (rows [:bs]).
@@ -203,7 +203,7 @@ def _compile(
         mask = _mask_out(out_mask, pasts, q, dev)
 
     if use_kernels:
-        from kdtree_engine.kernels import sglang_compile as K
+        from kdtree_engine.kernels import sglang_verify as K
 
         K.write_verify_inputs(roots, node_token_ids, node_depths, starts, sizes, visibility, ids, pos,
                               pad_visibility=not build_attention_mask)  # fmt: skip
@@ -296,7 +296,7 @@ def _follow(
     nexts = _out_1d(out_next, "next_tokens", bs, dev)
 
     if use_kernels:
-        from kdtree_engine.kernels.sglang_follow import follow_path
+        from kdtree_engine.kernels.sglang_verify import follow_path
 
         follow_path(draft_tokens, target_predict, parents, sizes, indices, tokens, lens, nexts)
     else:

@@ -1,7 +1,8 @@
-"""Verify inputs of DDTree trees in the SGLang port's layout, on the GPU (twin of ref.sglang_verify's
-verify_inputs, pad_visibility_ and packed_tree_mask).
+"""The verify-side tree ops of the SGLang port's layout on the GPU, twins of ref.sglang_verify: the
+verify inputs (its verify_inputs, pad_visibility_ and packed_tree_mask) and the greedy accepted path
+(its follow_verified_path: the shared greedy walk of kernels/tree_accept.py with the port's rules).
 
-Two launches, both free of host reads:
+The verify inputs take two launches, both free of host reads:
 - `write_verify_inputs`: grid (B,). Program b writes slot j of request b (root token / start position
   at j = 0, node j's draft token / start + depth after) and, when asked, turns the visibility rows of
   b's padding slots into self-only rows, in tiles of RB rows.
@@ -18,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401
+from kdtree_engine.kernels.tree_accept import walk
 
 
 @triton.jit
@@ -171,3 +173,22 @@ def write_packed_mask(
         BK=bk,
         num_warps=4 if bk >= 512 else 1,
     )
+
+
+def follow_path(
+    draft_tokens: torch.Tensor,
+    target_predict: torch.Tensor,
+    parents: torch.Tensor,
+    sizes: torch.Tensor,
+    indices_out: torch.Tensor,
+    tokens_out: torch.Tensor,
+    lengths_out: torch.Tensor,
+    next_out: torch.Tensor,
+) -> None:
+    """The greedy path (the root's token in column 0, the lowest-numbered matching child):
+    draft_tokens / target_predict / parents [B, q] (any strides), sizes [>= B] -> writes rows [:B],
+    columns [:q] of indices_out / tokens_out and entries [:B] of lengths_out / next_out (any strides).
+    Inputs are validated by the caller."""
+    walk(draft_tokens, target_predict, parents, sizes, indices_out, lengths_out, next_out,
+         width=draft_tokens.shape[1], root_token=True, size_plus=0, largest=False,
+         tokens_out=tokens_out)  # fmt: skip
