@@ -185,9 +185,11 @@ class CostTable:
 
     buckets: tuple[int, ...]
     times: dict[int, deque] = field(default_factory=dict)
+    _estimates: dict[int, float] = field(default_factory=dict)  # estimate() per bucket, until observed
 
     def observe(self, bucket: int, seconds: float) -> None:
         self.times.setdefault(bucket, deque(maxlen=COST_WINDOW)).append(float(seconds))
+        self._estimates.pop(bucket, None)
 
     def measured(self, bucket: int) -> float | None:
         t = self.times.get(bucket)
@@ -197,8 +199,10 @@ class CostTable:
         """The bucket's median, or 0 for one measured fewer than MIN_COST_ROUNDS times (so that every
         bucket gets tried: an autoregressive step costs far less than any tree, which no neighbour
         tells)."""
-        t = self.times.get(bucket)
-        return statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
+        if bucket not in self._estimates:
+            t = self.times.get(bucket)
+            self._estimates[bucket] = statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
+        return self._estimates[bucket]
 
 
 def choose(expected: Sequence[float], costs: Sequence[float]) -> int:
@@ -272,7 +276,9 @@ class BudgetPolicy:
         levels = self.calibration.levels()
         keep = (STALE_DECAY ** self.age[rows])[:, None]
         aged = np.where(np.isnan(levels), own, levels + keep * (own - levels))
-        return np.nan_to_num(np.where(np.isnan(own), levels, aged), nan=0.0)
+        seen = np.where(np.isnan(own), levels, aged)
+        seen[np.isnan(seen)] = 0.0
+        return seen
 
     def pick(self, active: Sequence[bool], must_draft: bool) -> int:
         """The bucket of the next round enqueued: the most expected tokens per second over the running
@@ -309,7 +315,9 @@ class BudgetPolicy:
         committed = np.asarray(counts, dtype=np.float64)
         accepted = committed[rows] - 1.0
         if choice is not None:
-            same = np.isin(choice.rows, rows)  # rows still running: their acceptance is this round's
+            running = np.zeros(max(int(choice.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, bool)
+            running[rows] = True
+            same = running[choice.rows]  # rows still running: their acceptance is this round's
             cal.observe_choices(j, choice.seen[same], committed[choice.rows[same]] - 1.0)
             expected = float(choice.expected[same].sum())
         else:
