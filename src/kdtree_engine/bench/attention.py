@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[16])
     parser.add_argument("--page-size", type=int, default=0, help="0: contiguous cache; else paged")
     parser.add_argument("--no-naive", action="store_true", help="skip the naive torch baseline")
+    flashmla_help = "skip FlashMLA (timed by default where the flash_mla package imports)"
+    parser.add_argument("--no-flashmla", action="store_true", help=flashmla_help)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per point, ms")
     parser.add_argument("--out", type=Path, default=Path("out/attention"), help="output directory")
 
@@ -140,15 +142,47 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
         naive_us = graph_us(naive, args.rep)
         row.update(naive_us=naive_us, naive_tflops=flops / naive_us / 1e6, naive_gbps=nbytes / naive_us / 1e3)
         row["speedup"] = naive_us / row["us"]
+    if getattr(args, "flashmla", None) is not None:
+        row.update(flashmla_row(args.flashmla, problems, out, scale, args))
     plans.clear()
     problems.clear()
     torch.cuda.empty_cache()
     return row
 
 
+def flashmla_row(module, problems: list[dict], ours_out: torch.Tensor, scale: float, args) -> dict:
+    """FlashMLA causal and the cascade (bench/flashmla.py) on the same problems: their times, ours over
+    theirs, and their largest difference from our kernel (causal: against ours with a causal mask);
+    empty where FlashMLA cannot read the cache (pages other than 64 rows)."""
+    from kdtree_engine.attention import tree_mla_attention
+    from kdtree_engine.bench import flashmla
+
+    if args.page_size not in (0, flashmla.PAGE) or problems[0]["kv"].shape[1] % flashmla.PAGE:
+        return {}
+    p = problems[0]
+
+    def causal(p):
+        return flashmla.causal_call(module, p["q"], p["kv"], p["lengths"], p["block_table"], scale, D_C)
+
+    def cascade(p):
+        return flashmla.cascade_call(module, p["q"], p["kv"], p["lengths"], p["block_table"], p["vis"],
+                                     scale, D_C)  # fmt: skip
+
+    ours_causal, _ = tree_mla_attention(p["q"], p["kv"], p["lengths"], softmax_scale=scale, d_v=D_C,
+                                        block_table=p["block_table"])  # fmt: skip
+    row = {"flashmla_us": graph_us([causal(q) for q in problems], args.rep)}
+    row["max_err_flashmla_vs_ours_causal"] = float((causal(p)()[0].float() - ours_causal.float()).abs().max())
+    row["cascade_us"] = graph_us([cascade(q) for q in problems], args.rep)
+    row["max_err_cascade_vs_ours"] = float((cascade(p)()[0].float() - ours_out.float()).abs().max())
+    return row
+
+
 def markdown(rows: list[dict], roof: dict, header: str) -> str:
     headers = ["h", "t", "s", "b", "kernel", "us", "TFLOP/s", "GB/s", "roof %", "device-planned us",
                "Triton-only us", "naive us", "naive TFLOP/s", "speedup"]  # fmt: skip
+    peers = any("flashmla_us" in r for r in rows)
+    if peers:
+        headers += ["FlashMLA causal us", "ours / FlashMLA", "cascade us", "ours / cascade", "max diff"]
     table = []
     for r in rows:
         tri = f"{r['triton_us']:.1f}" if "triton_us" in r else None
@@ -160,11 +194,22 @@ def markdown(rows: list[dict], roof: dict, header: str) -> str:
         ours = [f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.0f}",
                 f"{r['device_planned_us']:.1f}"]  # fmt: skip
         table.append([r["h"], r["t"], r["s"], r["b"], r["kernel"], *ours, tri, *naive])
+        if peers:
+            table[-1] += _flashmla_cells(r)
     return (
         f"{header}\n\n{markdown_table(headers, table)}\n\n"
         f"Roofline measured in this run: copy {roof['copy_GBps']:.0f} GB/s, "
         f"bf16 matmul {roof['matmul_TFLOPs']:.0f} TFLOP/s.\n"
     )
+
+
+def _flashmla_cells(r: dict) -> list:
+    """FlashMLA causal and cascade us, ours over each, and the larger of their differences from ours."""
+    if "flashmla_us" not in r:
+        return [None] * 5
+    diff = max(r["max_err_flashmla_vs_ours_causal"], r["max_err_cascade_vs_ours"])
+    return [f"{r['flashmla_us']:.1f}", f"{r['us'] / r['flashmla_us']:.2f}", f"{r['cascade_us']:.1f}",
+            f"{r['us'] / r['cascade_us']:.2f}", f"{diff:.2g}"]  # fmt: skip
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -195,6 +240,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def flashmla_module():
+    from kdtree_engine.bench import flashmla
+
+    return flashmla.load()
+
+
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench attention: needs a CUDA GPU")
@@ -203,9 +254,15 @@ def main(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name(device)
     stamp = utc_stamp()
     roof = measure_roofline(device)
+    args.flashmla = None if args.no_flashmla else flashmla_module()
     header = (
         f"Tree-verify MLA attention, {name}, {stamp}, torch {torch.__version__}, bf16, d=512+64, "
         f"{'paged ' + str(args.page_size) if args.page_size else 'contiguous'} cache"
+        + (
+            "; FlashMLA " + getattr(args.flashmla, "__version__", "?")
+            if args.flashmla
+            else "; FlashMLA not timed"
+        )
     )
     print(header, json.dumps(roof), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
