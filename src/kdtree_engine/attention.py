@@ -48,10 +48,7 @@ class AttentionPlan:
         q = q.contiguous()
         out = torch.empty(p.b, p.t, p.h, p.d_v, dtype=q.dtype, device=q.device)
         lse = torch.empty(p.b, p.t, p.h, dtype=torch.float32, device=q.device)
-        if self.kernel == "hopper":
-            _run_hopper(self.launch, p, q, kv_cache, out, lse)
-        else:
-            _run_triton(self.launch, p, q, kv_cache, out, lse)
+        _kernel_module(self.kernel).run(self.launch, p, q, kv_cache, out, lse)
         return out, lse
 
 
@@ -96,9 +93,14 @@ def plan_attention(
     bound = min(max_seqlen or capacity, capacity)
     launch = None
     if kernel == "hopper":
-        launch = _plan_hopper(problem, q.device, bound if max_seqlen else None, num_splits or 0)
+        launch = _kernel_module(kernel).plan(
+            problem, q.device, bound if max_seqlen else None, num_splits or 0
+        )
     elif kernel == "triton":
-        launch = _plan_triton(problem, q.dtype, q.device, bound, num_splits)
+        from kdtree_engine.kernels._device import device_multiprocessors
+
+        slots = device_multiprocessors(q.device)
+        launch = _kernel_module(kernel).plan(problem, q.dtype, q.device, bound, slots, num_splits=num_splits)
     return AttentionPlan(kernel, problem, q.dtype, tuple(q.shape), tuple(kv_cache.shape), launch)
 
 
@@ -139,61 +141,14 @@ def choose_kernel(impl: str | None, q: torch.Tensor, kv_cache: torch.Tensor, d_v
     return "hopper" if on_hopper and hopper.serves(q, kv_cache, d_v, paged) else "triton"
 
 
-def _plan_hopper(p: Problem, device: torch.device, max_seqlen: int | None, forced: int):
-    from kdtree_engine.kernels import mla_attention_hopper as hopper
-    from kdtree_engine.kernels import mla_attention_schedule as schedule
-
-    sms = _multiprocessors(device)
-    blocks = -(-p.rows // hopper.BLOCK_M)
-    if max_seqlen is not None:  # the host knows the schedule: the exact grid, and a merge only if cut
-        host = schedule.schedule(p.b, blocks, -(-max_seqlen // hopper.TILE), sms, forced)
-        sched, programs, merge = p.seqlens, host.programs, host.cuts()
-    else:  # computed on the device: a grid for any lengths, and the merge always runs
-        host, sched = None, schedule.device_schedule(p.seqlens, blocks, sms, hopper.TILE, forced)
-        programs, merge = (p.b * blocks * forced if forced else sms), True
-    part = torch.empty(2 * programs, hopper.BLOCK_M, p.d_v, dtype=torch.float32, device=device)
-    plse = torch.empty(2 * programs, hopper.BLOCK_M, dtype=torch.float32, device=device)
-    pieces = schedule.max_pieces(p.b, blocks, sms, forced)
-    cut = schedule.cut_blocks(p.b, blocks, programs, forced)
-    return hopper.Launch(programs, blocks, host, sched, part, plse, merge, cut, pieces)
-
-
-def _run_hopper(launch, p: Problem, q, kv_cache, out, lse) -> None:
-    from kdtree_engine.kernels import mla_attention_hopper as hopper
-    from kdtree_engine.kernels.mla_attention_merge import merge_pieces
-
-    _expect(kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0, "kv_cache",
-            "the Hopper kernel was planned: this layer's cache must be contiguous and 16-byte aligned "
-            "too")  # fmt: skip
-    hopper.run(launch, p, q, kv_cache, out, lse)
-    if launch.merge:
-        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, launch.blocks,
-                     hopper.BLOCK_M, launch.cut_blocks, launch.max_pieces)  # fmt: skip
-
-
-def _plan_triton(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, num_splits: int | None):
-    from kdtree_engine.kernels import mla_attention_triton as triton_attention
-
-    return triton_attention.plan(p, dtype, device, max_len, _multiprocessors(device), num_splits=num_splits)
-
-
-def _run_triton(launch, p: Problem, q, kv_cache, out, lse) -> None:
-    from kdtree_engine.kernels import mla_attention_triton as triton_attention
-    from kdtree_engine.kernels.mla_attention_merge import merge_splits
-
-    if kv_cache.stride(-1) != 1:
-        kv_cache = kv_cache.contiguous()
-    triton_attention.run(launch, p, q, kv_cache, out, lse)
-    if launch.part is not None:
-        merge_splits(launch.part, launch.plse, out.view(p.b, p.rows, p.d_v), lse.view(p.b, p.rows))
-
-
-def _multiprocessors(device: torch.device) -> int:
-    from kdtree_engine.kernels._device import multiprocessors
-
-    if device.type != "cuda":
-        return multiprocessors(-1)
-    return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+def _kernel_module(kernel: str):
+    """The module of a kernel of the dispatch table: it plans its launch (schedule, workspace) and runs
+    it, merge included (imported on first use: Triton is optional)."""
+    if kernel == "hopper":
+        from kdtree_engine.kernels import mla_attention_hopper as module
+    else:
+        from kdtree_engine.kernels import mla_attention_triton as module
+    return module
 
 
 def _run_ref(p: Problem, q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

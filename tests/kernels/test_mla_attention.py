@@ -14,7 +14,6 @@ import dataclasses
 import pytest
 import torch
 
-from kdtree_engine import attention
 from kdtree_engine.attention import plan_attention, tree_mla_attention
 from kdtree_engine.kernels import mla_attention_triton as kernels
 from kdtree_engine.ref import mla_attention as ref
@@ -97,7 +96,9 @@ def check(device, b, t, h, d_c, d_r, prefixes, dtype, page, tree, seed, mask="vi
         launch = kernels.plan(plan.problem, dtype, q.device, int(lengths.max()), 4, config, num_splits)
         plan = dataclasses.replace(plan, launch=launch)
     if force_hopper:
-        launch = attention._plan_hopper(plan.problem, q.device, int(lengths.max()), num_splits or 0)
+        from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+        launch = hopper.plan(plan.problem, q.device, int(lengths.max()), num_splits or 0)
         plan = dataclasses.replace(plan, kernel="hopper", launch=launch)
     got_out, got_lse = plan.run(q, kv)
     assert got_out.dtype == dtype and got_out.shape == (b, t, h, d_c)

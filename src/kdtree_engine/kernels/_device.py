@@ -14,3 +14,10 @@ def multiprocessors(device_index: int) -> int:
     if device_index < 0:
         return 4
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_multiprocessors(device: torch.device) -> int:
+    """multiprocessors() of a torch.device (the current CUDA device when it has no index)."""
+    if device.type != "cuda":
+        return multiprocessors(-1)
+    return multiprocessors(device.index if device.index is not None else torch.cuda.current_device())

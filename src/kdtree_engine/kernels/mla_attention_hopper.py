@@ -36,7 +36,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
+from kdtree_engine.kernels import mla_attention_schedule as schedule
+from kdtree_engine.kernels._device import device_multiprocessors
 from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem
+from kdtree_engine.kernels.mla_attention_merge import merge_pieces
 from kdtree_engine.kernels.mla_attention_schedule import Schedule
 
 BLOCK_M = 64  # query rows per row block
@@ -527,9 +530,41 @@ class Launch:
     max_pieces: int  # a bound on one row block's pieces
 
 
+def plan(p: Problem, device: torch.device, max_seqlen: int | None, forced: int = 0) -> Launch:
+    """The launch of problem p: with max_seqlen (the lengths known on the host) the exact grid of the
+    host's schedule and a merge only if it cuts a row block; without (a captured forward) the schedule
+    computed on the device for any lengths, a grid of one program per multiprocessor and the merge
+    always launched. forced: cut each row block's tiles into that many pieces (tests)."""
+    sms = device_multiprocessors(device)
+    blocks = -(-p.rows // BLOCK_M)
+    if max_seqlen is not None:
+        host = schedule.schedule(p.b, blocks, -(-max_seqlen // TILE), sms, forced)
+        sched, programs, merge = p.seqlens, host.programs, host.cuts()
+    else:
+        host, sched = None, schedule.device_schedule(p.seqlens, blocks, sms, TILE, forced)
+        programs, merge = (p.b * blocks * forced if forced else sms), True
+    part = torch.empty(2 * programs, BLOCK_M, p.d_v, dtype=torch.float32, device=device)
+    plse = torch.empty(2 * programs, BLOCK_M, dtype=torch.float32, device=device)
+    pieces = schedule.max_pieces(p.b, blocks, sms, forced)
+    cut = schedule.cut_blocks(p.b, blocks, programs, forced)
+    return Launch(programs, blocks, host, sched, part, plse, merge, cut, pieces)
+
+
 def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
-    """out [b, t, h, d_c], lse [b, t, h] <- the attention of q [b, t, h, d] over kv_cache, with the
-    cut row blocks' pieces in the launch's workspace (merged by the caller)."""
+    """out [b, t, h, d_c], lse [b, t, h] <- the attention of q [b, t, h, d] over kv_cache: the kernel,
+    then the merge of the cut row blocks' pieces when the launch has one. ValueError for a cache the
+    kernel cannot read through its TMA descriptor (not contiguous, or not 16-byte aligned)."""
+    if not (kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0):
+        raise ValueError("kv_cache: the Hopper kernel was planned: this layer's cache must be contiguous and "
+                         "16-byte aligned too")  # fmt: skip
+    _launch_kernel(launch, p, q, kv_cache, out, lse)
+    if launch.merge:
+        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, launch.blocks,
+                     BLOCK_M, launch.cut_blocks, launch.max_pieces)  # fmt: skip
+
+
+def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
+    """The kernel alone: final rows into out / lse, the cut row blocks' pieces into the workspace."""
     page_size = kv_cache.shape[1] if p.paged else 1
     nt, per, units = launch.host[:3] if launch.host else (0, 0, 0)
     _attention_kernel[(launch.programs,)](

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 from kdtree_engine.kernels.mla_attention_args import Problem
+from kdtree_engine.kernels.mla_attention_merge import merge_splits
 
 
 @dataclass(frozen=True)
@@ -279,8 +280,18 @@ def plan(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, slo
 
 
 def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
-    """out [b, t, h, d_c], lse [b, t, h] (with one split) or the launch's split workspace <- the
-    attention of q [b, t, h, d] (contiguous) over kv_cache (rows contiguous)."""
+    """out [b, t, h, d_c], lse [b, t, h] <- the attention of q [b, t, h, d] (contiguous) over
+    kv_cache: the split-KV kernel (a cache whose rows are not contiguous is copied first), then the
+    merge of its splits when there are several."""
+    if kv_cache.stride(-1) != 1:
+        kv_cache = kv_cache.contiguous()
+    _launch_kernel(launch, p, q, kv_cache, out, lse)
+    if launch.part is not None:
+        merge_splits(launch.part, launch.plse, out.view(p.b, p.rows, p.d_v), lse.view(p.b, p.rows))
+
+
+def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
+    """The kernel alone: out / lse with one split, else the launch's split workspace."""
     cfg, rows, d_c = launch.config, p.rows, p.d_v
     if launch.part is None:
         part, plse, sob, sos, slb, sls = out, lse, rows * d_c, 0, rows, 0
