@@ -272,6 +272,7 @@ def add_arguments(parser) -> None:
         "vocab_size": "BPE vocabulary incl. the special tokens",
         "heldout_every": "hold out one file in N (by path hash)",
         "stdlib": "standard library folder (default: this interpreter's)",
+        "seed": "seeds the held-out prompts and the capped splits' file order",
         "site_packages": "folder to find the --packages in (default: this interpreter's sys.path)",
         "dedup": "keep files with identical text once (the first in path order)",
         "max_train_tokens": "keep whole train files, in a seeded order, up to this many tokens",
