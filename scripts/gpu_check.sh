@@ -5,9 +5,12 @@
 # demo log, and each benchmark's log, table (.md) and plot (.png).
 # Arguments: "tests" or "bench" to run one half only; "e2e" runs `kdtree-engine bench e2e` alone (about
 # 4 minutes: it does not fit beside the rest in one 600 s device call); "sglang" runs the SGLang drop-in's
-# GPU tests against the port at .peers/sglang, then `kdtree-engine bench sglang`. A checkout of liranringel/ddtree at
-# .peers/ddtree (git-ignored) adds the official builder to the tree benchmark, and an SGLang checkout
-# (or just its python/sglang/srt/speculative/ddtree_utils.py) at .peers/sglang adds SGLang's builder.
+# GPU tests against the port at .peers/sglang, then `kdtree-engine bench sglang` (its tree path);
+# "sglang-verify" runs the GPU tests against SGLang's Triton extend kernel, then `kdtree-engine bench
+# sglang` with both sections (the tree path at the verify-attention section's batches and budgets t - 1).
+# A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
+# benchmark, and an SGLang checkout (or just its python/sglang/srt/speculative/ddtree_utils.py) at
+# .peers/sglang adds SGLang's builder.
 set -uo pipefail
 OUT=${OUT:-out}
 R="$OUT/results"
@@ -28,8 +31,18 @@ python3 -c 'import xdist' 2>/dev/null && xdist=(-n 12)
 if [ "$what" = sglang ]; then
   KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-200}" python3 -m pytest -q tests/integrations \
     -p no:cacheprovider "${xdist[@]}" -rs --durations=8 2>&1 | tee "$R/sglang_tests.log" | tail -30 || status=1
-  timeout "${T_SGLANG:-330}" python3 -m kdtree_engine bench sglang --batch 64 32 16 8 1 --iters 20 --out "$R/sglang" 2>&1 \
-    | tee "$R/bench_sglang.log" | tail -40 || status=1
+  timeout "${T_SGLANG:-330}" python3 -m kdtree_engine bench sglang --sections tree --batch 64 32 16 8 1 --iters 20 \
+    --out "$R/sglang" 2>&1 | tee "$R/bench_sglang.log" | tail -40 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = sglang-verify ]; then
+  KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-150}" python3 -m pytest -q -m gpu \
+    tests/integrations/test_sglang_extend.py -p no:cacheprovider -rs 2>&1 | tee "$R/sglang_verify_tests.log" \
+    | tail -30 || status=1
+  timeout "${T_SGLANG:-420}" python3 -m kdtree_engine bench sglang --sections tree verify-attention \
+    --batch 1 16 64 --budgets 8 16 32 --out "$R/sglang_verify" 2>&1 | tee "$R/bench_sglang_verify.log" \
+    | tail -60 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi

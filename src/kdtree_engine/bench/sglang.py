@@ -20,6 +20,12 @@ every call eager (KDTREE_ENGINE_SGLANG_GRAPHS=0). "same trees": requests whose t
 parents) the port builds equal to ours from the same top-k (it is not exact on ties; ours equals the
 official builder, as the tests check). "saved/round" is what one decoding round of the greedy path
 saves at this batch, budget and vocabulary (per tensor-parallel rank).
+
+The verify-attention section (bench/sglang_verify.py; `--sections`) times the attention of the DDTree
+target verify that follows: our kdtree_mla backend against SGLang's Triton extend kernel with the
+port's dense custom mask (loaded from the checkout's attention files, bench/sglang_extend.py), at Kimi
+shapes per GPU, with its saving per round next to the drop-in's at budget t - 1 (from this run's tree
+path rows, or from an earlier run's json with --drop-in-json).
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ import torch
 
 from kdtree_engine.bench.peers import load_sglang_port, port_tree_buffers
 from kdtree_engine.bench.plot import markdown_table, plot_series, utc_stamp
+from kdtree_engine.bench.sglang_verify import VerifyGrid
 from kdtree_engine.bench.timing import time_host
 
 STAGES = ("topk", "build", "compile", "follow", "sample", "greedy path")
+TREE, VERIFY = "tree", "verify-attention"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +59,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sample", action="store_true", help="skip the sampled verify stage")
     parser.add_argument("--out", default="out/bench_sglang", help="directory for the table, plot and json")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sections", nargs="+", choices=[TREE, VERIFY], default=[TREE, VERIFY],
+                        help="tree: the tree path (draft logits to accepted tokens); verify-attention: the "
+                        "target verify's attention, ours vs SGLang's Triton extend kernel")  # fmt: skip
+    grid = VerifyGrid()
+    ints = {"type": int, "nargs": "+"}
+    parser.add_argument("--verify-heads", **ints, default=list(grid.heads), help="heads per GPU")
+    parser.add_argument("--verify-tokens", **ints, default=list(grid.tokens), help="tree nodes t")
+    parser.add_argument("--verify-prefixes", **ints, default=list(grid.prefixes), help="prefix per request")
+    parser.add_argument("--verify-batch", **ints, default=list(grid.batch), help="batch sizes")
+    layers_help = "attention layers per round (Kimi-K2: 61)"
+    parser.add_argument("--layers", type=int, default=grid.layers, help=layers_help)
+    parser.add_argument("--verify-rep-ms", type=float, default=grid.rep_ms, help="do_bench ms per timing")
+    parser.add_argument("--verify-max-gb", type=float, default=grid.max_gb, help="skip points needing more")
+    parser.add_argument("--drop-in-json", help="an earlier run's sglang_bench.json whose tree path rows give "
+                        "the drop-in's saving per round when this run does not measure it")  # fmt: skip
 
 
 def eager_us(fn, iters: int, reps: int) -> float:
@@ -227,21 +250,71 @@ def report(rows: list[dict], header: str, out: Path) -> str:
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         raise ValueError("device: bench sglang runs the port's Triton kernels, which need a CUDA GPU")
-    from kdtree_engine.integrations import sglang as ours_fns
-    from kdtree_engine.integrations.sglang.topk import whole_vocab_topk
-
     port = load_sglang_port(args.port)
     device = torch.device("cuda")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = utc_stamp()
     header = (
         f"SGLang DDTree port vs kdtree-engine drop-in, L={args.depth}, V={args.vocab}, bf16 draft logits: "
-        f"{torch.cuda.get_device_name(device)}, {stamp}\n\n"
+        f"{torch.cuda.get_device_name(device)}, {utc_stamp()}\n\n"
         f"command: kdtree-engine bench sglang {' '.join(sys.argv[3:])}".rstrip()
     )
+    extend, grid = load_verify_peer(args), verify_grid(args)  # checked before the tree path runs
+    earlier = drop_in_rows(args.drop_in_json)
+    results = {"header": header, "rows": [], "verify_attention": []}
+    if TREE in args.sections:
+        for row in tree_rows(port, args, device):
+            results["rows"].append(row)
+            write_results(results, out, earlier)  # after every row: a run cut short keeps what it measured
+    if extend is not None:
+        from kdtree_engine.bench.sglang_verify import run_section
+
+        def on_row(row: dict) -> None:
+            print(json.dumps(row), flush=True)
+            results["verify_attention"].append(row)
+            write_results(results, out, earlier)
+
+        run_section(extend, port.kernels.compile_ddtree_tree_triton, grid, device, on_row)
+    print(write_results(results, out, earlier))
+    return 0
+
+
+def verify_grid(args: argparse.Namespace) -> VerifyGrid:
+    """The verify-attention section's points from the --verify-* arguments."""
+    return VerifyGrid(
+        heads=tuple(args.verify_heads),
+        tokens=tuple(args.verify_tokens),
+        prefixes=tuple(args.verify_prefixes),
+        batch=tuple(args.verify_batch),
+        layers=args.layers,
+        rep_ms=args.verify_rep_ms,
+        max_gb=args.verify_max_gb,
+    )
+
+
+def load_verify_peer(args):
+    """extend_attention_fwd from the checkout when the verify-attention section is asked for; None (with a
+    printed reason) where the checkout lacks its files and the tree path still runs; ValueError naming
+    `path` where the section was the only one asked for."""
+    if VERIFY not in args.sections:
+        return None
+    from kdtree_engine.bench.sglang_extend import load_extend_attention
+
+    try:
+        return load_extend_attention(args.port)
+    except ValueError as exc:
+        if TREE not in args.sections:
+            raise
+        print(f"verify attention: skipped: {exc}", flush=True)
+        return None
+
+
+def tree_rows(port, args, device):
+    """The tree path's rows, one per (batch, budget), as each is measured."""
+    from kdtree_engine.integrations import sglang as ours_fns
+    from kdtree_engine.integrations.sglang.topk import whole_vocab_topk
+
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    rows = []
     for b in args.batch:
         for budget in args.budgets:
             inputs = make_inputs(b, budget, args, device, gen)
@@ -249,12 +322,34 @@ def main(args: argparse.Namespace) -> int:
                 Side(port.utils, port.topk, b, budget, device),
                 Side(ours_fns, whole_vocab_topk, b, budget, device),
             )
-            rows.append(bench_config(*sides, inputs, args))
-            print(json.dumps(rows[-1]), flush=True)
+            row = bench_config(*sides, inputs, args)
+            print(json.dumps(row), flush=True)
             del inputs, sides
             torch.cuda.empty_cache()
-            text = report(rows, header, out)  # after every row: a run cut short keeps what it measured
-            (out / "sglang_bench.md").write_text(text)
-            (out / "sglang_bench.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
-    print(text)
-    return 0
+            yield row
+
+
+def drop_in_rows(path: str | None) -> list[dict]:
+    """The tree path rows of an earlier run's sglang_bench.json (--drop-in-json), or []."""
+    if not path:
+        return []
+    rows = json.loads(Path(path).read_text()).get("rows")
+    if not isinstance(rows, list):
+        raise ValueError(f"drop-in-json: {path} has no tree path rows (a sglang_bench.json is expected)")
+    return rows
+
+
+def write_results(results: dict, out: Path, earlier: list[dict] = ()) -> str:
+    """sglang_bench.md (the tree path's table and plot, then the verify attention's, with the drop-in's
+    saving per round from this run's tree path rows, else from `earlier`'s) and .json; returns the
+    markdown."""
+    from kdtree_engine.bench.sglang_verify import report as verify_report
+
+    text = results["header"] + "\n"
+    if results["rows"]:
+        text = report(results["rows"], results["header"], out)
+    if results["verify_attention"]:
+        text += "\n" + verify_report(results["verify_attention"], results["rows"] or list(earlier))
+    (out / "sglang_bench.md").write_text(text)
+    (out / "sglang_bench.json").write_text(json.dumps(results, indent=1))
+    return text
