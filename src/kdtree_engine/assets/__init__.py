@@ -23,3 +23,10 @@ def heldout_prompts(model_dir: Path = KIMI_NANO) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"prompts: {path} is missing")
     return json.loads(path.read_text())["prompts"]
+
+
+def user_prompts() -> list[dict]:
+    """Hand-written code prompts in no corpus, of the kinds a user types (a function from its
+    docstring, a class method, an import block, a loop, a test function, a CLI main): [{"kind",
+    "text"}]. Each ends at the end of a line without its newline, as training text goes on."""
+    return json.loads((ASSETS / "user_prompts.json").read_text())["prompts"]
