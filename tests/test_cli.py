@@ -48,3 +48,30 @@ def test_golden_with_a_missing_folder_is_refused(tmp_path, capsys):
     assert main(["golden", "--check", "--dir", str(tmp_path / "nowhere")]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and "--dir" in out.err
+
+
+BLOCK_TRITON = """
+import importlib.abc, sys
+
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+sys.meta_path.insert(0, NoTriton())
+from kdtree_engine.cli import build_parser
+
+build_parser().parse_args(["generate", "--demo"])
+print("parsed")
+"""
+
+
+def test_the_command_line_builds_without_triton():
+    """The README's main command installs no triton (the [gpu] extra): building the parser imports every
+    subcommand's arguments, bench modules included, so none may import triton at module level."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", BLOCK_TRITON], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "parsed" in run.stdout, run.stderr[-2000:]

@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 
 from kdtree_engine.bench.peers import _exec_file, _stub_module
-from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 
 ATTENTION_PACKAGE = "sglang.kernels.ops.attention"
 _ATTENTION_DIR = Path("python", *ATTENTION_PACKAGE.split("."))
@@ -82,6 +81,8 @@ def load_extend_attention(path: str | Path) -> Callable:
     """extend_attention_fwd from `path`: a checkout of the SGLang DDTree port, or `.peers/sglang`.
     ValueError naming `path` when a file is missing, a file imports something the stubs do not provide,
     or the function's parameters are not the ones the port's Triton backend passes."""
+    from kdtree_engine.kernels import _interpreter  # noqa: F401 - imported here: triton is optional
+
     root = Path(path)
     for f in PEER_FILES:
         if not (root / f).is_file():
