@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kdtree_engine.bench import flashmla
 from kdtree_engine.bench.plot import markdown_table, utc_stamp
 
 D_C, D_R = 512, 64
@@ -130,14 +131,14 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     if row["kernel"] == "hopper":  # the Triton kernel, same run: what the Hopper kernel adds
         row["triton_us"] = graph_us([ours(p, impl="triton")[1] for p in problems], args.rep)
         tri, _ = ours(problems[0], impl="triton")[1]()
-        row["max_err_vs_triton"] = float((out.float() - tri.float()).abs().max())
+        row["max_err_vs_triton"] = _max_diff(out, tri)
     floor_us = max(flops / roof["matmul_TFLOPs"] / 1e6, nbytes / roof["copy_GBps"] / 1e3)
     row["roof_pct"] = 100 * floor_us / row["us"]
     dense = args.page_size == 0
     if not args.no_naive and dense and copies * b * t * h * s * 12 < NAIVE_MAX_BYTES:
         p = problems[0]
         want = naive_attention(p["q"], p["kv"], p["vis"], scale)
-        row["max_err_vs_naive"] = float((out.float() - want.float()).abs().max())
+        row["max_err_vs_naive"] = _max_diff(out, want)
         naive = [lambda p=p: naive_attention(p["q"], p["kv"], p["vis"], scale) for p in problems]
         naive_us = graph_us(naive, args.rep)
         row.update(naive_us=naive_us, naive_tflops=flops / naive_us / 1e6, naive_gbps=nbytes / naive_us / 1e3)
@@ -155,7 +156,6 @@ def flashmla_row(module, problems: list[dict], ours_out: torch.Tensor, scale: fl
     theirs, and their largest difference from our kernel (causal: against ours with a causal mask);
     empty where FlashMLA cannot read the cache (pages other than 64 rows)."""
     from kdtree_engine.attention import tree_mla_attention
-    from kdtree_engine.bench import flashmla
 
     if args.page_size not in (0, flashmla.PAGE) or problems[0]["kv"].shape[1] % flashmla.PAGE:
         return {}
@@ -170,11 +170,15 @@ def flashmla_row(module, problems: list[dict], ours_out: torch.Tensor, scale: fl
 
     ours_causal, _ = tree_mla_attention(p["q"], p["kv"], p["lengths"], softmax_scale=scale, d_v=D_C,
                                         block_table=p["block_table"])  # fmt: skip
-    row = {"flashmla_us": graph_us([causal(q) for q in problems], args.rep)}
-    row["max_err_flashmla_vs_ours_causal"] = float((causal(p)()[0].float() - ours_causal.float()).abs().max())
-    row["cascade_us"] = graph_us([cascade(q) for q in problems], args.rep)
-    row["max_err_cascade_vs_ours"] = float((cascade(p)()[0].float() - ours_out.float()).abs().max())
+    causals, cascades = [causal(q) for q in problems], [cascade(q) for q in problems]
+    row = {"flashmla_us": graph_us(causals, args.rep), "cascade_us": graph_us(cascades, args.rep)}
+    row["max_err_flashmla_vs_ours_causal"] = _max_diff(causals[0]()[0], ours_causal)
+    row["max_err_cascade_vs_ours"] = _max_diff(cascades[0]()[0], ours_out)
     return row
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
 
 
 def markdown(rows: list[dict], roof: dict, header: str) -> str:
@@ -240,12 +244,6 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def flashmla_module():
-    from kdtree_engine.bench import flashmla
-
-    return flashmla.load()
-
-
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench attention: needs a CUDA GPU")
@@ -254,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
     name = torch.cuda.get_device_name(device)
     stamp = utc_stamp()
     roof = measure_roofline(device)
-    args.flashmla = None if args.no_flashmla else flashmla_module()
+    args.flashmla = None if args.no_flashmla else flashmla.load()
     header = (
         f"Tree-verify MLA attention, {name}, {stamp}, torch {torch.__version__}, bf16, d=512+64, "
         f"{'paged ' + str(args.page_size) if args.page_size else 'contiguous'} cache"
