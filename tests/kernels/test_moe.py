@@ -249,3 +249,55 @@ def test_kernel_cuda_graph_replay(n):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, kernels.moe_experts(*static[:3], *static[3:]))
+
+
+def split_by_rank(ids: torch.Tensor, rank: int, per_rank: int) -> torch.Tensor:
+    """ids as one rank of expert parallelism sees them: its experts rank * per_rank .. + per_rank - 1
+    renumbered from 0, every other expert -1."""
+    local = ids - rank * per_rank
+    return torch.where((local >= 0) & (local < per_rank), local, torch.full_like(ids, -1))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ref_expert_parallel_ranks_sum_to_the_whole(ranks):
+    """Each rank holding E / ranks experts and computing its share (the others' ids -1): the shares
+    add up to the whole layer's output (float64: equal up to the order of the additions)."""
+    n, k, n_experts, hidden, inter = 13, 3, 8, 24, 16
+    inputs = make_inputs(n, k, n_experts, hidden, inter, torch.float64, "random", 4)
+    x, weights, ids, w_gate_up, w_down = inputs
+    per = n_experts // ranks
+    shares = [
+        moe_experts_ref(x, weights, split_by_rank(ids, r, per), w_gate_up[r * per : (r + 1) * per],
+                        w_down[r * per : (r + 1) * per])
+        for r in range(ranks)
+    ]  # fmt: skip
+    assert any(bool((split_by_rank(ids, r, per) < 0).any()) for r in range(ranks))
+    whole = moe_experts_ref(*inputs)
+    torch.testing.assert_close(sum(shares), whole, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [(1, 8, 48, 32, 16, 0.9), (9, 4, 6, 40, 24, 0.5), (33, 4, 8, 32, 16, 1.0),
+                                  (70, 2, 4, 40, 16, 0.3)], ids=lambda c: "-".join(map(str, c)))  # fmt: skip
+def test_kernel_skips_experts_of_other_ranks(case, dtype, device):
+    """ids with a share of -1 (experts on other ranks; a whole token's row of -1 included): the kernel
+    equals the reference, which leaves those choices out, with and without the shared expert."""
+    n, k, n_experts, hidden, inter, remote = case
+    x, weights, ids, w_gate_up, w_down = make_inputs(n, k, n_experts, hidden, inter, dtype, "random", n)
+    gen = torch.Generator().manual_seed(n + 1)
+    ids = torch.where(torch.rand(n, k, generator=gen) < remote, torch.full_like(ids, -1), ids)
+    ids[0] = -1  # a token none of whose experts is here
+    gen_shared = torch.Generator().manual_seed(7)
+    shared = tuple((torch.randn(s, generator=gen_shared) * s[1] ** -0.5).to(dtype)
+                   for s in [(inter, hidden), (inter, hidden), (hidden, inter)])  # fmt: skip
+    for extra in (None, shared):
+        on_device = None if extra is None else tuple(w.to(device) for w in extra)
+        got = kernels.moe_experts(*(t.to(device) for t in (x, weights, ids, w_gate_up, w_down)), on_device)
+        exact = moe_experts_ref(x.float(), weights, ids, w_gate_up.float(), w_down.float(),
+                                None if extra is None else tuple(w.float() for w in extra))  # fmt: skip
+        got = got.cpu().float()
+        scale = max(float(exact.abs().max()), 1e-6)
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, exact, rtol=tol, atol=tol * scale)
+        if extra is None:
+            assert bool((got[0] == 0).all())

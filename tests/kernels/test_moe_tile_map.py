@@ -94,3 +94,22 @@ def test_sort_rows_is_a_power_of_two_within_its_cells():
     for n_experts in (1, 3, 16, 32, 33, 256, 384, 1024):
         rows = kernels.sort_rows(n_experts)
         assert 8 <= rows <= 256 and not rows & (rows - 1)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("case", [(1, 8, 48, 0.9), (33, 8, 48, 0.85), (41, 3, 7, 0.4), (300, 4, 16, 1.0)],
+                         ids=lambda c: "-".join(map(str, c)))  # fmt: skip
+def test_tile_map_skips_experts_of_other_ranks(case, block_m, device):
+    """ids with a share of -1 (expert parallelism; all -1 in the last case): bounds and tiles equal the
+    reference's, and order's rows below bounds[E] (the assignments held here) too."""
+    n, k, n_experts, remote = case
+    ids = make_ids(n, k, n_experts, "repeat", seed=n + k)
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.where(torch.rand(n, k, generator=gen) < remote, torch.full_like(ids, -1), ids)
+    want = tile_map_ref(ids, n_experts, block_m)
+    got = [t.cpu() for t in kernels.tile_map(ids.to(device), n_experts, block_m)]
+    held = int(want[1][-1])
+    assert held == int((ids >= 0).sum())
+    assert torch.equal(got[0][:held], want[0][:held])
+    for name, g, w in zip(("bounds", "tile_expert", "tile_row"), got[1:], want[1:]):
+        assert torch.equal(g, w), name

@@ -38,6 +38,10 @@ instruction (BLOCK_M 16 and 32: mma.sync, HMMA.16816 in the SASS), so one token 
 give a token the same bits; 64-row tiles (more rows per expert) halve BLOCK_K and use wgmma (HGMMA).
 (The router's kernels, kernels/moe_router.route_hidden, hold the same for the ids and weights.)
 
+Expert parallelism: an id of -1 is an assignment to an expert another rank holds. The histogram and
+the counting sort skip it (it takes no sorted row: `order`'s rows from bounds[E] on stay unwritten), no
+tile computes it, and the combine adds nothing for its slot.
+
 Each program reads its BLOCK_N slice of the expert's weights once; the programs of one weight slice
 follow one another in launch order (the tile index varies fastest), so the row tiles of one expert
 share it through the L2 cache. BLOCK_M (16, tl.dot's minimum, in decode) and the blocks are chosen
@@ -124,11 +128,11 @@ def _counting_sort(ids_ptr, order_ptr, starts, NA, EP: tl.constexpr, ROWS: tl.co
     cursor = starts
     for r0 in range(0, NA, ROWS):
         a = r0 + tl.arange(0, ROWS)
-        e = tl.load(ids_ptr + a, mask=a < NA, other=-1).to(tl.int32)  # -1: no expert
+        e = tl.load(ids_ptr + a, mask=a < NA, other=-1).to(tl.int32)  # -1: no expert held here
         hot = (e[:, None] == ex[None, :]).to(tl.int32)  # [ROWS, EP]
         before = tl.cumsum(hot, 0) - hot  # same-expert assignments earlier in this step
         row = tl.sum(hot * (before + cursor[None, :]), 1)  # [ROWS] sorted row of each assignment
-        tl.store(order_ptr + row, a.to(tl.int64), mask=a < NA)
+        tl.store(order_ptr + row, a.to(tl.int64), mask=(a < NA) & (e >= 0))
         cursor += tl.sum(hot, 0)
 
 
@@ -137,7 +141,8 @@ def _tile_map_kernel(ids_ptr, order_ptr, bounds_ptr, tile_expert_ptr, tile_row_p
                      EP: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK_M: tl.constexpr):  # fmt: skip
     """One program. counts[e] = #(ids == e) over the NA assignments; bounds[e] = the first sorted row
-    of expert e (bounds[E] = NA); order by the counting sort; expert e's tiles are tile_start[e] + j,
+    of expert e (bounds[E] = the assignments held here, NA without -1 ids); order by the counting sort;
+    expert e's tiles are tile_start[e] + j,
     j < cdiv(counts[e], BLOCK_M), with first sorted row bounds[e] + j BLOCK_M; tiles from the total
     to T get expert E (idle) and row 0."""
     ex = tl.arange(0, EP)
@@ -145,7 +150,7 @@ def _tile_map_kernel(ids_ptr, order_ptr, bounds_ptr, tile_expert_ptr, tile_row_p
     for c0 in range(0, NA, CHUNK):
         a = c0 + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + a, mask=a < NA, other=0).to(tl.int32)
-        counts += tl.histogram(e, EP, mask=a < NA)
+        counts += tl.histogram(e, EP, mask=(a < NA) & (e >= 0))
     ends = tl.cumsum(counts, 0)
     tl.store(bounds_ptr + ex + 1, ends, mask=ex < E)
     tl.store(bounds_ptr + ex, 0, mask=ex == 0)
@@ -261,15 +266,18 @@ def _down_kernel(h_ptr, w_ptr, ws_down_ptr, rw_ptr, y_ptr, order_ptr, tile_exper
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, NA, H, TOPK: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr):
-    """Token row, columns c0 .. c0 + BLOCK of H: out = (sum over slots j = 0..k-1 of y[token k + j]) +
-    y[NA + token] (the shared expert, when SHARED), float32 in that order, cast to out's dtype."""
+def _combine_kernel(y_ptr, ids_ptr, out_ptr, NA, H, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    """Token row, columns c0 .. c0 + BLOCK of H: out = (sum over slots j = 0..k-1 of y[token k + j],
+    the slots of id -1 left out) + y[NA + token] (the shared expert, when SHARED), float32 in that
+    order, cast to out's dtype."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOPK):
-        acc += tl.load(y_ptr + (token * TOPK + j) * H + cols, mask=ok, other=0.0)
+        held = tl.load(ids_ptr + token * TOPK + j) >= 0
+        acc += tl.load(y_ptr + (token * TOPK + j) * H + cols, mask=ok & held, other=0.0)
     if SHARED:
         acc += tl.load(y_ptr + (NA + token) * H + cols, mask=ok, other=0.0)
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -278,8 +286,9 @@ def _combine_kernel(y_ptr, out_ptr, NA, H, TOPK: tl.constexpr, SHARED: tl.conste
 def tile_map(
     ids: torch.Tensor, n_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [n, k] int64 in 0..E-1 -> (order [n k] int64: the assignment at each sorted row, stable by
-    expert; bounds [E + 1] int32: expert e's sorted rows are bounds[e] .. bounds[e + 1] - 1; tile_expert
+    """ids [n, k] int64 in -1..E-1 -> (order [n k] int64: the assignment at each sorted row, stable by
+    expert, rows from bounds[E] on unwritten; bounds [E + 1] int32: expert e's sorted rows are bounds[e]
+    .. bounds[e + 1] - 1; tile_expert
     [T] int32: each tile's expert, E when idle; tile_row [T] int32: each tile's first sorted row, 0 when
     idle), T = max_tiles(n k, E, block_m): equal to ref.moe.tile_map_ref. One launch, no host sync."""
     flat = ids.reshape(-1)
@@ -303,12 +312,13 @@ def moe_experts(
     w_down: torch.Tensor,
     shared: Shared | None = None,
 ) -> torch.Tensor:
-    """x [n, H], weights [n, k] float32 (already scaled), ids [n, k] int64 in 0..E-1, w_gate_up
+    """x [n, H], weights [n, k] float32 (already scaled), ids [n, k] int64 in -1..E-1, w_gate_up
     [E, 2I, H], w_down [E, H, I], shared None or (w_gate [Is, H], w_up [Is, H], w_down [H, Is]) (all in
     x's dtype: float32, bfloat16 or float16) -> [n, H] in x's dtype: for every token, the sum over its
     k choices of weight * down(silu(gate(x)) * up(x)), plus the shared expert's output (ref.moe), with
-    float32 accumulation and one rounding. Four launches, no host sync; float64 runs the reference.
-    Ids outside 0..E-1 are not allowed (their output rows would be left unwritten)."""
+    float32 accumulation and one rounding; a choice of -1 (an expert held by another rank) adds nothing.
+    Four launches, no host sync; float64 runs the reference. Ids outside -1..E-1 are not allowed (their
+    output rows would be left unwritten)."""
     n, k, n_experts, hidden, inter = check_moe_args(x, weights, ids, w_gate_up, w_down, shared)
     if x.dtype == torch.float64:
         return moe_experts_ref(x, weights, ids, w_gate_up, w_down, shared)
@@ -340,6 +350,6 @@ def moe_experts(
     out = torch.empty_like(x)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _combine_kernel[(n, triton.cdiv(hidden, block))](
-        y, out, n_assign, hidden, TOPK=k, SHARED=shared is not None, BLOCK=block
+        y, ids.contiguous(), out, n_assign, hidden, TOPK=k, SHARED=shared is not None, BLOCK=block
     )
     return out

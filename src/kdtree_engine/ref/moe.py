@@ -10,6 +10,10 @@ weights it returns the same bits; the weights of the E routed experts are stacke
 and the shared expert, when there is one, is the triple `shared` = (gate_proj.weight [Is, H],
 up_proj.weight [Is, H], down_proj.weight [H, Is]) of model.moe.MLP.
 
+Expert parallelism: an id of -1 marks an assignment to an expert that this rank does not hold (its
+weights live on another GPU, which adds its share in the all-reduce). Such an assignment adds nothing
+here and takes no row of the tile map.
+
 `tile_map_ref` is the specification of kernels.moe.tile_map, the grouping of the assignments by expert
 into row tiles (see kernels/moe.py). Both loop or sync on the host: they are the references.
 """
@@ -85,17 +89,19 @@ def moe_experts_ref(
     w_down: torch.Tensor,
     shared: Shared | None = None,
 ) -> torch.Tensor:
-    """x [n, H], weights [n, k] float32 (already scaled), ids [n, k] int64 in 0..E-1 -> [n, H] in x's
+    """x [n, H], weights [n, k] float32 (already scaled), ids [n, k] int64 in -1..E-1 -> [n, H] in x's
     dtype: for every token, the sum over its k choices of weight * down(silu(gate(x)) * up(x)), plus
-    the shared expert's output when `shared` is given.
+    the shared expert's output when `shared` is given; a choice of -1 (an expert on another rank)
+    adds nothing.
 
-    The assignments (token, slot) are grouped by expert with a stable argsort of ids.flatten(); the
-    experts run in increasing id order, each on its tokens at once; an expert's output (x's dtype)
-    times the float32 weight promotes to float32, is cast back to x's dtype and index_add_-ed into
-    zeros_like(x), as model.moe.MoE does; the shared expert's output is added last, in x's dtype."""
+    The assignments (token, slot) are grouped by expert with a stable argsort of ids.flatten() (the -1
+    ones last, skipped); the experts run in increasing id order, each on its tokens at once; an
+    expert's output (x's dtype) times the float32 weight promotes to float32, is cast back to x's dtype
+    and index_add_-ed into zeros_like(x), as model.moe.MoE does; the shared expert's output is added
+    last, in x's dtype."""
     _, k, n_experts, _, inter = check_moe_args(x, weights, ids, w_gate_up, w_down, shared)
-    order = ids.flatten().argsort(stable=True)  # [n * k] assignment slots grouped by expert
-    counts = torch.bincount(ids.flatten(), minlength=n_experts).tolist()
+    order = _expert_order(ids.flatten(), n_experts)  # [n * k] assignment slots grouped by expert
+    counts = _local_counts(ids.flatten(), n_experts).tolist()
     out = torch.zeros_like(x)
     begin = 0
     for e, count in enumerate(counts):
@@ -110,20 +116,32 @@ def moe_experts_ref(
     return out if shared is None else out + shared_expert_ref(x, shared)
 
 
+def _expert_order(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The stable argsort of the flat ids, the -1 ones (experts on another rank) last."""
+    return torch.where(flat < 0, n_experts, flat).argsort(stable=True)
+
+
+def _local_counts(flat: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[E] assignments per expert held here (the -1 ones not counted)."""
+    return torch.bincount(flat[flat >= 0], minlength=n_experts)
+
+
 def tile_map_ref(
     ids: torch.Tensor, n_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [n, k] int64 in 0..E-1 -> (order [n k] int64, bounds [E + 1] int32, tile_expert [T] int32,
+    """ids [n, k] int64 in -1..E-1 -> (order [n k] int64, bounds [E + 1] int32, tile_expert [T] int32,
     tile_row [T] int32), T = max_tiles(n k, E, block_m), as kernels.moe.tile_map:
 
-    - order: the stable argsort of ids.flatten() (within an expert, increasing flat index token k + slot);
-    - bounds: expert e's sorted rows are bounds[e] .. bounds[e + 1] - 1;
+    - order: the stable argsort of ids.flatten() (within an expert, increasing flat index token k + slot),
+      the -1 assignments last; the kernel leaves its rows from bounds[E] on unwritten;
+    - bounds: expert e's sorted rows are bounds[e] .. bounds[e + 1] - 1 (bounds[E]: the assignments held
+      here);
     - the tiles: expert by expert in increasing id, cdiv(count_e, block_m) tiles each, tile j of e
       starting at sorted row bounds[e] + j block_m; the T - (real tiles) idle tiles after them have
       expert E and row 0."""
     flat = ids.reshape(-1)
     dev, n_tiles = ids.device, max_tiles(flat.numel(), n_experts, block_m)
-    counts = torch.bincount(flat, minlength=n_experts)
+    counts = _local_counts(flat, n_experts)
     bounds = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)
     bounds[1:] = counts.cumsum(0)
     tiles = (counts + block_m - 1) // block_m  # [E]
@@ -133,4 +151,4 @@ def tile_map_ref(
     tile_row = torch.zeros(n_tiles, dtype=torch.int32, device=dev)
     tile_expert[: len(expert)] = expert.int()
     tile_row[: len(expert)] = (bounds[expert] + j * block_m).int()
-    return torch.argsort(flat, stable=True), bounds.int(), tile_expert, tile_row
+    return _expert_order(flat, n_experts), bounds.int(), tile_expert, tile_row
