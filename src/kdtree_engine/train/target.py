@@ -33,25 +33,40 @@ from kdtree_engine.train.schedule import pyplot, warmup_cosine
 SHARD_SIZE = "15MB"  # the shipped shards stay under 16 MB each
 
 
+@dataclass(frozen=True)
+class TargetShape:
+    """The sizes of the target that `train target` takes as options; the defaults are the shipped
+    kimi-nano's. intermediate_size is the dense first layer's MLP width, moe_intermediate_size each
+    routed (and the shared) expert's; n_routed_experts is a multiple of the 4 expert groups, at least 2
+    per group. The head dimensions, the routing groups and the rope stay kimi_nano_config's."""
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 8
+    intermediate_size: int = 768
+    moe_intermediate_size: int = 128
+    n_routed_experts: int = 16
+    num_experts_per_tok: int = 4
+    q_lora_rank: int = 128
+    kv_lora_rank: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if value < 1:
+                raise ValueError(f"{name}: expected >= 1, got {value}")
+
+
 def kimi_nano_config(vocab_size: int, eos_token_id: int, **overrides) -> ModelConfig:
     """Kimi-K2's architecture at ~18M parameters: MLA with a q low-rank and the latent cache, yarn rope,
     sigmoid-routed MoE with group-limited routing (4 groups, 2 chosen), a shared expert, a dense first
-    layer."""
+    layer. The sizes are TargetShape's defaults; `overrides` changes any ModelConfig field."""
     fields = dict(
         vocab_size=vocab_size,
-        hidden_size=256,
-        intermediate_size=768,
-        moe_intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        q_lora_rank=128,
-        kv_lora_rank=64,
+        **asdict(TargetShape()),
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        n_routed_experts=16,
         n_shared_experts=1,
-        num_experts_per_tok=4,
         n_group=4,
         topk_group=2,
         first_k_dense_replace=1,
@@ -76,8 +91,9 @@ def kimi_nano_config(vocab_size: int, eos_token_id: int, **overrides) -> ModelCo
 
 @dataclass(frozen=True)
 class TargetTrainConfig:
-    """`kdtree-engine train target`. model_overrides: ModelConfig fields changed from kimi_nano_config
-    (tests use a tiny one)."""
+    """`kdtree-engine train target`. shape: the target's sizes (options of their own, e.g.
+    --hidden-size); model_overrides: any other ModelConfig fields changed from kimi_nano_config, applied
+    after the shape (tests use a tiny model)."""
 
     data: str = "data/kimi-nano"
     out: str = "out/kimi-nano"
@@ -98,6 +114,7 @@ class TargetTrainConfig:
     checkpoint_every_s: float = 120.0
     resume: bool = False
     device: str | None = None  # default: cuda when available
+    shape: TargetShape = TargetShape()
     model_overrides: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
@@ -111,6 +128,13 @@ class TargetTrainConfig:
             raise ValueError(f"minutes: expected > 0, got {self.minutes}")
         if not self.lr > 0:
             raise ValueError(f"lr: expected > 0, got {self.lr}")
+        self.model_config(vocab_size=2, eos_token_id=0)  # a shape the architecture refuses fails here
+
+    def model_config(self, vocab_size: int, eos_token_id: int) -> ModelConfig:
+        """The target's ModelConfig for a corpus of `vocab_size` tokens: kimi_nano_config with the shape
+        and then model_overrides applied."""
+        fields = {**asdict(self.shape), **dict(self.model_overrides)}
+        return kimi_nano_config(vocab_size, eos_token_id, **fields)
 
 
 def lr_at(step: int, cfg: TargetTrainConfig, total: int) -> float:
@@ -339,6 +363,17 @@ def _restore(model, opt: MasterWeights, out: Path) -> _Run:
     return run
 
 
+def describe(model, config: ModelConfig) -> str:
+    """The model's parameter count and shape in one line (printed when a run starts)."""
+    count = sum(p.numel() for p in model.parameters())
+    return (
+        f"{count:,} parameters: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+        f"{config.num_attention_heads} heads, q/kv ranks {config.q_lora_rank}/{config.kv_lora_rank}, "
+        f"dense MLP {config.intermediate_size}, {config.n_routed_experts} experts of width "
+        f"{config.moe_intermediate_size} (top {config.num_experts_per_tok})"
+    )
+
+
 def train_target(cfg: TargetTrainConfig) -> Path:
     """Trains (or resumes) kimi-nano; returns the output folder (a Hugging Face model folder)."""
     from tqdm import tqdm
@@ -347,10 +382,11 @@ def train_target(cfg: TargetTrainConfig) -> Path:
     data, out = Path(cfg.data), Path(cfg.out)
     manifest = read_manifest(data)
     train_tokens, held_tokens = load_tokens(data, "train"), load_tokens(data, "heldout")
-    config = kimi_nano_config(manifest["vocab_size"], manifest["eos_token_id"], **dict(cfg.model_overrides))
+    config = cfg.model_config(manifest["vocab_size"], manifest["eos_token_id"])
     torch.manual_seed(cfg.seed)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = hf_model(config, dtype, device)
+    print(f"target {describe(model, config)}", flush=True)
     model.train()
     balance = RouterBalance(model, cfg.bias_update)
     opt = MasterWeights(model, cfg.lr, cfg.weight_decay)
@@ -408,6 +444,15 @@ HELP = {
     "steps": "schedule length; default: timed from the first steps to fill --minutes",
     "resume": "continue from the checkpoint in --out",
     "device": "cuda or cpu (default: cuda when available)",
+    "hidden_size": "model width (the drafter's too)",
+    "num_hidden_layers": "decoder layers, the first dense, the others MoE",
+    "num_attention_heads": "MLA heads (head sizes fixed: q/k 32 + 16 rope, v 32)",
+    "intermediate_size": "MLP width of the dense first layer",
+    "moe_intermediate_size": "width of each routed expert and of the shared expert",
+    "n_routed_experts": "routed experts per MoE layer: a multiple of the 4 groups, >= 8",
+    "num_experts_per_tok": "routed experts per token, chosen within 2 of the 4 groups",
+    "q_lora_rank": "MLA query low rank",
+    "kv_lora_rank": "MLA latent cache width (plus the 16 rope values)",
 }
 
 
