@@ -28,11 +28,13 @@ BENCHMARKS = {
     "attention": ("kdtree_engine.bench.attention", "tree-verify MLA attention against naive torch"),
     "e2e": ("kdtree_engine.bench.e2e", "whole generation runs: autoregressive, DFlash and DDTree"),
     "sglang": ("kdtree_engine.bench.sglang", "the SGLang DDTree port's tree path against our drop-in"),
+    "kimi": ("kdtree_engine.bench.kimi", "one GPU's share of Kimi-K2 measured, the 8-GPU round projected"),
 }
 TRAINING = {
     "data": ("kdtree_engine.train.data", "prepare the kimi-nano corpus and tokenizer (Python stdlib source)"),
     "target": ("kdtree_engine.train.target", "train the kimi-nano target (transformers, resumable)"),
     "drafter": ("kdtree_engine.train.drafter", "train a DFlash drafter for a target (resumable)"),
+    "carry": ("kdtree_engine.train.carry", "pack a prepared corpus for the GPU machine, or unpack it there"),
 }
 # Optional dependencies -> the pyproject extra that installs them.
 EXTRAS = {"transformers": "hf", "tokenizers": "hf", "triton": "gpu", "matplotlib": "bench", "tqdm": "train"}
