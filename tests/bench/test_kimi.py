@@ -327,6 +327,38 @@ def test_sections_measure_every_point_and_the_json_reprojects(tmp_path, monkeypa
     assert (tmp_path / "again" / "kimi_bench.md").read_text() == text
 
 
+@pytest.mark.gpu
+def test_sections_capture_and_time_on_the_gpu():
+    """The sections on CUDA at small shapes with the real timer: every forward captures in a graph and
+    replays (kernel paths: attention plan, router and expert kernels with remote experts, the drafter's
+    kernels, our tree path)."""
+    args = SimpleNamespace(
+        batch=[1, 3],
+        tokens=[1, 9],
+        prefixes=[64],
+        routings=["nano"],
+        budgets=[8],
+        rep_ms=5.0,
+        seed=0,
+        iters=2,
+        reps=2,
+    )
+    results: dict = {}
+    run = SimpleNamespace(
+        args=args,
+        shard=Shard(tp=2, ep=4, model=SMALL, drafter=SMALL_DRAFTER),
+        device=torch.device("cuda"),
+        copy_bw=3e12,
+        emit=lambda s, row: results.setdefault(s, []).append(row),
+    )
+    for section in ("layer", "drafter", "tree"):
+        kimi_measure.SECTIONS[section](run)
+    timed = [r for s in ("attention", "plan", "moe", "lm_head", "tree") for r in results[s]]
+    assert len(timed) == 4 + 4 + 4 + 4 + 2 and all(r["us"] > 0 for r in timed)
+    assert {r["kernel"] for r in results["attention"]} <= {"triton", "hopper"}
+    assert all(r["one_layer_us"] > 0 and r["two_layer_us"] > 0 for r in results["drafter"])
+
+
 # the command line
 
 
@@ -346,5 +378,15 @@ def test_cli_errors_name_the_argument(capsys, tmp_path):
     assert "tp" in _err(capsys, "--tp", "3")
     assert "from:" in _err(capsys, "--from", str(tmp_path / "missing.json"))
     assert "allreduce-us" in _err(capsys, "--allreduce-us", "-1")
+    assert "into:" in _err(capsys, "--into", str(tmp_path / "missing.json"))
     if not torch.cuda.is_available():
         assert "device:" in _err(capsys, "--out", str(tmp_path))
+
+
+def test_into_takes_an_earlier_run_of_the_same_grid_only(tmp_path):
+    path = tmp_path / "kimi_bench.json"
+    path.write_text(json.dumps({"header": "first call", "grid": {"batch": [1]}, "moe": [{"us": 1.0}]}))
+    again = kimi.earlier_run(path, {"batch": [1]}, "second call")
+    assert again["header"] == "first call\n\nsecond call" and again["moe"] == [{"us": 1.0}]
+    with pytest.raises(ValueError, match="into: .* another grid"):
+        kimi.earlier_run(path, {"batch": [1, 4]}, "second call")

@@ -301,3 +301,34 @@ def test_kernel_skips_experts_of_other_ranks(case, dtype, device):
         torch.testing.assert_close(got, exact, rtol=tol, atol=tol * scale)
         if extra is None:
             assert bool((got[0] == 0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 33, 16 * 33])
+def test_kernel_expert_parallel_rank_at_kimi_shape(n):
+    """One rank of Kimi-K2 under 8-way expert parallelism (48 of 384 experts, H 7168, I 2048, top-8, the
+    shared expert's 256-wide slice), bf16: the kernel against the float32 reference, and captured in a
+    graph."""
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.rand(n, 384, generator=gen).argsort(dim=1)[:, :8]
+    local = torch.where(ids < 48, ids, torch.full_like(ids, -1)).cuda()
+    x = torch.randn(n, 7168, generator=gen).bfloat16().cuda()
+    weights = torch.rand(n, 8, generator=gen).cuda()
+    w_gate_up = (torch.randn(48, 4096, 7168, device="cuda") * 7168**-0.5).bfloat16()
+    w_down = (torch.randn(48, 7168, 2048, device="cuda") * 2048**-0.5).bfloat16()
+    shared = tuple(
+        (torch.randn(s, device="cuda") * s[1] ** -0.5).bfloat16()
+        for s in [(256, 7168), (256, 7168), (7168, 256)]
+    )
+    got = kernels.moe_experts(x, weights, local, w_gate_up, w_down, shared)
+    want = moe_experts_ref(
+        x.float(), weights, local, w_gate_up.float(), w_down.float(), tuple(w.float() for w in shared)
+    )
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.moe_experts(x, weights, local, w_gate_up, w_down, shared)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)

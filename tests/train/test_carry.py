@@ -198,3 +198,14 @@ def test_the_training_script_unpacks_a_packed_data_folder(tmp_path):
     _same_files(corpus, tmp_path / "packed", [p.name for p in corpus.iterdir()])
     with tarfile.open(tmp_path / "device" / "target.tar.part-aa") as tar:
         assert sorted(tar.getnames()) == ["model", "model/config.json"]
+
+
+def test_kdtree_engine_train_carry_runs_it(tmp_path, capsys):
+    """`kdtree-engine train carry` is this module: a folder without packed.json is one line, exit 2."""
+    from kdtree_engine.cli import main
+
+    assert main(["train", "carry", "unpack", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kdtree-engine train carry: ") and err.count("\n") == 1 and "packed.json" in err, (
+        err
+    )

@@ -78,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--from", dest="from_json", type=Path, help="re-project this kimi_bench.json (no GPU)"
     )
     parser.add_argument(
+        "--into",
+        type=Path,
+        help="add this run's sections to an earlier run's kimi_bench.json (one device call each)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=Path("out/bench_kimi"), help="directory for the json and tables"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -93,6 +98,10 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("rep_ms", "bus_gbps"):
         if not getattr(args, name) > 0:
             raise ValueError(f"{name.replace('_', '-')}: expected a number > 0, got {getattr(args, name)}")
+    for name in ("from_json", "into"):
+        path = getattr(args, name)
+        if path is not None and not path.is_file():
+            raise ValueError(f"{name.replace('_json', '')}: no file {path}")
     if args.allreduce_us < 0:
         raise ValueError(f"allreduce-us: expected a number >= 0, got {args.allreduce_us}")
     Shard(tp=args.tp, ep=args.ep)  # ValueError naming tp or ep
@@ -222,6 +231,18 @@ def measured_tables(results: dict) -> str:
     return "\n\n".join(parts)
 
 
+def earlier_run(path: Path, grid: dict, header: str) -> dict:
+    """The results of an earlier run (--into), this run's header added; ValueError naming `into` when
+    it was measured on another grid or split."""
+    results = json.loads(path.read_text())
+    if results.get("grid") != grid:
+        raise ValueError(
+            f"into: {path} was measured on another grid ({results.get('grid')}); pass the same arguments"
+        )
+    results["header"] += "\n\n" + header
+    return results
+
+
 def _tree_pairs(results: dict):
     port = {(r["batch"], r["budget"]): r for r in results.get("port_tree", [])}
     for r in results.get("tree", []):
@@ -231,8 +252,6 @@ def _tree_pairs(results: dict):
 def main(args: argparse.Namespace) -> int:
     _check(args)
     if args.from_json is not None:
-        if not args.from_json.is_file():
-            raise ValueError(f"from: no file {args.from_json}")
         print(write(json.loads(args.from_json.read_text()), args))
         return 0
     if not torch.cuda.is_available():
@@ -254,6 +273,8 @@ def main(args: argparse.Namespace) -> int:
     grid = {k: getattr(args, k) for k in ("batch", "tokens", "prefixes", "routings", "budgets", "tp", "ep")}
     grid["counts"] = dataclasses.asdict(counts_of(shard))
     results: dict = {"header": header, "grid": grid, "copy_GBps": copy_bw / 1e9, "errors": []}
+    if args.into is not None:
+        results = earlier_run(args.into, grid, header)
 
     def emit(section: str, row: dict) -> None:
         print(json.dumps({"section": section, **row}), flush=True)

@@ -16,7 +16,8 @@ git-ignored paths of limited total size (CARRY_LIMIT). So the prepared files tra
 The unpacked folder is what `train target` and `train drafter` read (`--data`);
 scripts/train_kimi_nano.sh unpacks its `--data` folder when that holds `packed.json`.
 
-Command line: `python -m kdtree_engine.train.carry pack CORPUS OUT` and `... unpack FOLDER [--out DIR]`.
+Command line: `kdtree-engine train carry pack CORPUS OUT` and `... unpack FOLDER [--out DIR]` (also
+`python -m kdtree_engine.train.carry ...`, where the console script is not installed).
 """
 
 from __future__ import annotations
