@@ -8,8 +8,9 @@
 # GPU tests against the port at .peers/sglang, then `kdtree-engine bench sglang` (its tree path);
 # "sglang-verify" runs the GPU tests against SGLang's Triton extend kernel, then `kdtree-engine bench
 # sglang` with both sections (the tree path at the verify-attention section's batches and budgets t - 1).
-# "kimi" runs the GPU tests of the MoE kernels and of `bench kimi`, then `kdtree-engine bench kimi` with its
-# layer, drafter and tree sections (issue 34); "kimi-port" adds the port section (the SGLang port's tree
+# "kimi" runs the GPU tests of the MoE and row-invariant GEMM kernels and of `bench kimi`, the row-invariant
+# GEMM against cuBLAS (scripts/bench_linear.py, issue 32), then `kdtree-engine bench kimi` with its layer,
+# drafter and tree sections (issue 34); "kimi-port" adds the port section (the SGLang port's tree
 # path and verify attention; needs .peers/sglang) to the kimi_bench.json of an earlier "kimi" call, carried
 # as out/kimi_bench.json (KIMI_JSON overrides).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
@@ -51,9 +52,11 @@ if [ "$what" = sglang-verify ]; then
   exit $status
 fi
 if [ "$what" = kimi ]; then
-  timeout "${T_KT:-150}" python3 -m pytest -q -m gpu tests/kernels/test_moe.py tests/bench/test_kimi.py \
-    -p no:cacheprovider -rs 2>&1 | tee "$R/kimi_tests.log" | tail -20 || status=1
-  timeout "${T_KIMI:-420}" python3 -m kdtree_engine bench kimi --sections layer drafter tree --out "$R/kimi" 2>&1 \
+  timeout "${T_KT:-120}" python3 -m pytest -q -m gpu tests/kernels/test_moe.py tests/kernels/test_linear.py \
+    tests/bench/test_kimi.py -p no:cacheprovider -rs 2>&1 | tee "$R/kimi_tests.log" | tail -20 || status=1
+  timeout "${T_LIN:-60}" python3 scripts/bench_linear.py --rep-ms 30 2>&1 | tee "$R/bench_linear.log" | tail -60 \
+    || status=1
+  timeout "${T_KIMI:-400}" python3 -m kdtree_engine bench kimi --sections layer drafter tree --out "$R/kimi" 2>&1 \
     | tee "$R/bench_kimi.log" | tail -80 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
