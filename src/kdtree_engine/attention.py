@@ -66,6 +66,7 @@ def plan_attention(
     max_seqlen: int | None = None,
     validate: bool = True,
     num_splits: int | None = None,
+    invariant: bool = False,
 ) -> AttentionPlan:
     """The plan of one forward's attention, for every layer whose q and cache have these shapes.
 
@@ -77,12 +78,20 @@ def plan_attention(
     validate: check the values (lengths, diagonal, pages) with one host sync; skipped while a CUDA
     graph is captured. max_seqlen: a bound on cache_seqlens when known (validation finds it); it steers
     the split count and lets the plan skip a merge that has nothing to merge. num_splits: force the KV
-    range of each row block into that many pieces (tests)."""
+    range of each row block into that many pieces (tests). invariant: the row-invariant mode of the Triton
+    kernel (kernels/mla_attention_triton.py): a row's bits do not depend on the rest of the launch, and a
+    tree node's equal those of the same token decoded alone after its ancestors (a kernel impl only;
+    issue 32)."""
     _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
     check_impl(impl, q.device)
     if validate and not capturing(q.device):
         max_seqlen = _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_table)
+    _expect(
+        not (invariant and num_splits), "num_splits", "the row-invariant mode fixes its splits by position"
+    )
     kernel = choose_kernel(impl, q, kv_cache, d_v, block_table is not None)
+    if invariant and kernel == "hopper":
+        kernel = "triton"
     b, t, h, d = q.shape
     if kernel == "ref" and visibility is None:
         visibility = _ref_visibility(ancestor_bits, b, t, q.device)
@@ -100,7 +109,9 @@ def plan_attention(
         from kdtree_engine.kernels._device import device_multiprocessors
 
         slots = device_multiprocessors(q.device)
-        launch = _kernel_module(kernel).plan(problem, q.dtype, q.device, bound, slots, num_splits=num_splits)
+        launch = _kernel_module(kernel).plan(
+            problem, q.dtype, q.device, bound, slots, num_splits=num_splits, invariant=invariant
+        )
     return AttentionPlan(kernel, problem, q.dtype, tuple(q.shape), tuple(kv_cache.shape), launch)
 
 

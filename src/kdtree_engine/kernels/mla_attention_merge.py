@@ -128,10 +128,14 @@ def _round_shape(pieces: int, on_gpu: bool) -> tuple[int, int, int]:
     return 1, block_s, max(2, block_s // 4)
 
 
-def merge_splits(part: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """part [b, S, M, d_c] float32, plse [b, S, M] -> out [b, M, d_c] (its dtype), lse [b, M] float32."""
+def merge_splits(
+    part: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, fixed_rounds: bool = False
+) -> None:
+    """part [b, S, M, d_c] float32, plse [b, S, M] -> out [b, M, d_c] (its dtype), lse [b, M] float32.
+    fixed_rounds: fold as many pieces per round whatever S is (the row-invariant mode: a row's sum then
+    groups its pieces the same way in every launch; pieces past its last one are exact no-ops)."""
     b, splits, rows, d_c = part.shape
-    block_r, block_s, warps = _round_shape(splits, part.is_cuda)
+    block_r, block_s, warps = _round_shape(MERGE_SPLITS if fixed_rounds else splits, part.is_cuda)
     _merge_splits_kernel[(triton.cdiv(rows, block_r), b)](
         part, plse, out, lse, rows, splits, part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
         D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BLOCK_R=block_r, BLOCK_S=block_s, num_warps=warps,

@@ -9,6 +9,17 @@ without any mask, and the few tiles that touch the tree (the last t slots) or th
 masked: column j of the tree is visible to row (i, head) iff visible[i, j] (in causal mode a row block
 also stops at its last node's column). Chunks are merged by their log-sum-exp
 (kernels/mla_attention_merge.py); with one chunk the kernel writes the final output directly.
+
+Row-invariant mode (`invariant=True` in the plan; issue 32): a query row gets the same bits whatever
+else shares its launch, and a tree node gets the bits the same token gets when it is decoded alone after
+its ancestors. A row's keys are taken in position order: the prefix at positions = slots, then its
+ancestors (itself included) at positions prefix + 0, 1, ..., in index order (a parent's index is below
+its children's), read from their slots through a per-node table (`ancestor_slots`). Every boundary is
+fixed by position: KV tiles of BLOCK_N positions from position 0, splits of CHUNK positions, one launch
+shape for every call, the merge folding a fixed number of pieces per round. Tiles below the first tile
+that holds a tree position are shared by the block's rows; from that tile on, each node of the block
+runs its own gathered tiles, the block's other rows masked (an update that leaves them exactly as they
+were). An autoregressive step is a tree of one node, so it runs the same arithmetic.
 """
 
 from __future__ import annotations
@@ -21,8 +32,9 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
-from kdtree_engine.kernels.mla_attention_args import Problem
+from kdtree_engine.kernels.mla_attention_args import MASK_BITS, MASK_CAUSAL, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_splits
+from kdtree_engine.ref.mla_attention import bits_to_visibility
 
 
 @dataclass(frozen=True)
@@ -113,10 +125,41 @@ def _update(acc, m_i, l_i, s, kv_c, DOT_PREC: tl.constexpr):
     return acc, m_new, l_i
 
 
+@triton.jit
+def _tree_tail(acc, m_i, l_i, q_c, q_r, kv_ptr, anc_ptr, b, rows, row_ok, start0, hi, prefix, T, H, stride_ab,
+               stride_ai, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, offs_dc, offs_dr, qk_scale,
+               D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+               DOT_PREC: tl.constexpr):  # fmt: skip
+    """Row-invariant mode, positions start0 .. hi - 1 (start0 a multiple of BLOCK_N): for each node g of
+    the block, its own tiles: position prefix + j is its j-th ancestor's slot (anc[b, g, j], -1 past
+    its depth), a position below the prefix its own slot; only g's rows take the tile."""
+    cols = tl.arange(0, BLOCK_N)
+    first = tl.min(tl.where(row_ok, rows, 2**30), 0) // H
+    last = tl.minimum(tl.max(tl.where(row_ok, rows, 0), 0) // H, T - 1)
+    for g in range(first, last + 1):
+        owner = row_ok & (rows // H == g)
+        for start in range(start0, hi, BLOCK_N):
+            pos = start + cols
+            j = pos - prefix
+            in_tree = (j >= 0) & (pos < hi)
+            anc = tl.load(anc_ptr + b.to(tl.int64) * stride_ab + g * stride_ai + j, mask=in_tree, other=-1)
+            valid = ((j < 0) & (pos < hi)) | (anc >= 0)
+            slot = tl.where(j < 0, pos, prefix + anc)
+            offsets = _row_offsets(b, slot, valid, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
+            s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, valid, offs_dc, offs_dr, qk_scale, D_C, D_R,
+                              BLOCK_DC, BLOCK_DR, True, DOT_PREC)  # fmt: skip
+            s = tl.where(owner[:, None] & valid[None, :], s, float("-inf"))
+            acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+    return acc, m_i, l_i
+
+
 # Scalars that vary per call are not specialized (Triton would otherwise compile again for 1 and for
 # multiples of 16); cache strides stay specialized for vectorized loads.
 _UNSPECIALIZED = [
     "T",
+    "stride_ab",
+    "stride_ai",
     "H",
     "M",
     "num_splits",
@@ -134,6 +177,7 @@ def _split_kv_kernel(
     kv_ptr,
     seqlens_ptr,
     vis_ptr,
+    anc_ptr,
     bt_ptr,
     out_ptr,
     lse_ptr,
@@ -153,6 +197,8 @@ def _split_kv_kernel(
     stride_os,
     stride_lb,
     stride_ls,
+    stride_ab,
+    stride_ai,
     D_C: tl.constexpr,
     D_R: tl.constexpr,
     BLOCK_DC: tl.constexpr,
@@ -162,18 +208,28 @@ def _split_kv_kernel(
     PAGED: tl.constexpr,
     MASK_MODE: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
+    """CHUNK 0: each request's range cut into num_splits chunks sized from its length; CHUNK > 0: the
+    row-invariant mode (module docstring), splits of CHUNK positions."""
     pid_m, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    INVARIANT: tl.constexpr = CHUNK > 0
+    TREE_TAIL: tl.constexpr = INVARIANT and MASK_MODE != 2
     D: tl.constexpr = D_C + D_R
     HAS_ROPE: tl.constexpr = D_R > 0
     seqlen = tl.load(seqlens_ptr + b).to(tl.int32)
     prefix = seqlen - T
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    if INVARIANT:
+        chunk = CHUNK
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
     if MASK_MODE == 2:  # causal (prefill): no row of this block sees past its last node
         hi = tl.minimum(hi, prefix + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1) + 1)
-    n_free = tl.maximum(tl.minimum(hi, prefix) - lo, 0) // BLOCK_N  # whole tiles inside the prefix
+    shared_end = tl.minimum(hi, prefix)  # tiles below it are the prefix's
+    if TREE_TAIL:
+        shared_end = tl.minimum(hi, prefix // BLOCK_N * BLOCK_N)  # from the tile of the first tree position
+    n_free = tl.maximum(shared_end - lo, 0) // BLOCK_N  # whole tiles inside the prefix
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query rows (i * H + head)
     row_ok = rows < M
@@ -195,21 +251,31 @@ def _split_kv_kernel(
         pos = lo + n * BLOCK_N + cols
         offsets = _row_offsets(b, pos, pos < hi, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
         s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, pos < hi, offs_dc, offs_dr, qk_scale, D_C, D_R,
-                          BLOCK_DC, BLOCK_DR, False, DOT_PREC)  # fmt: skip
+                          BLOCK_DC, BLOCK_DR, INVARIANT, DOT_PREC)  # fmt: skip
         acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
-    for start in range(lo + n_free * BLOCK_N, hi, BLOCK_N):  # tiles touching the tree or the chunk end
-        pos = start + cols
-        in_range = pos < hi
-        offsets = _row_offsets(b, pos, in_range, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED)
-        s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, in_range, offs_dc, offs_dr, qk_scale, D_C, D_R,
-                          BLOCK_DC, BLOCK_DR, True, DOT_PREC)  # fmt: skip
-        j = pos - prefix
-        tree = _tree_visible(
-            vis_ptr, b, rows, j, row_ok, in_range & (j >= 0), stride_vb, stride_vi, H, MASK_MODE
-        )
-        visible = tree | (in_range & (j < 0))[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
+    if TREE_TAIL:
+        tail0 = lo + n_free * BLOCK_N
+        acc, m_i, l_i = _tree_tail(
+            acc, m_i, l_i, q_c, q_r, kv_ptr, anc_ptr, b, rows, row_ok, tail0, hi, prefix, T, H, stride_ab,
+            stride_ai, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, offs_dc, offs_dr, qk_scale,
+            D_C, D_R, BLOCK_DC, BLOCK_DR, BLOCK_M, BLOCK_N, PAGED, DOT_PREC,
+        )  # fmt: skip
+    else:
+        for start in range(lo + n_free * BLOCK_N, hi, BLOCK_N):  # tiles touching the tree or the chunk end
+            pos = start + cols
+            in_range = pos < hi
+            offsets = _row_offsets(
+                b, pos, in_range, bt_ptr, stride_btb, stride_kb, stride_ks, page_size, PAGED
+            )
+            s, kv_c = _scores(q_c, q_r, kv_ptr, offsets, in_range, offs_dc, offs_dr, qk_scale, D_C, D_R,
+                              BLOCK_DC, BLOCK_DR, True, DOT_PREC)  # fmt: skip
+            j = pos - prefix
+            tree = _tree_visible(
+                vis_ptr, b, rows, j, row_ok, in_range & (j >= 0), stride_vb, stride_vi, H, MASK_MODE
+            )
+            visible = tree | (in_range & (j < 0))[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            acc, m_i, l_i = _update(acc, m_i, l_i, s, kv_c, DOT_PREC)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -234,6 +300,28 @@ def pick_config(dtype: torch.dtype, rows: int, d_c: int) -> Config:
 
 
 MAX_SPLITS = 128  # the most splits the cost model considers (the merge reads them in rounds of 32)
+INVARIANT_CHUNK = 1024  # positions per split in the row-invariant mode (a multiple of every BLOCK_N)
+
+
+def invariant_config(dtype: torch.dtype, d_c: int) -> Config:
+    """The row-invariant mode's one launch shape: a function of the model's dtype and widths only."""
+    if dtype == torch.float32:
+        return pick_config(dtype, 0, d_c)
+    return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
+
+
+def ancestor_slots(p: Problem) -> torch.Tensor | None:
+    """[b, t, t] int32: row i lists node i's ancestors, itself last, in index order (a parent's index is
+    below its children's), then -1; None for a causal mask. Device ops only."""
+    if p.mask.mode == MASK_CAUSAL:
+        return None
+    if p.mask.mode == MASK_BITS:
+        visible = bits_to_visibility(p.mask.tensor, p.t)
+    else:
+        visible = p.mask.tensor.view(p.b, p.t, p.t) != 0
+    index = torch.arange(p.t, device=visible.device, dtype=torch.int32)
+    ordered = torch.where(visible, index, p.t).sort(dim=-1).values
+    return torch.where(ordered < p.t, ordered, -1).to(torch.int32).contiguous()
 
 
 @functools.lru_cache(maxsize=4096)  # host time matters: this runs once per forward
@@ -263,12 +351,22 @@ class Launch:
     num_splits: int
     part: torch.Tensor | None  # [b, num_splits, rows, d_c] float32
     plse: torch.Tensor | None  # [b, num_splits, rows] float32
+    chunk: int = 0  # positions per split in the row-invariant mode, 0 otherwise
+    ancestors: torch.Tensor | None = None  # ancestor_slots, the row-invariant mode's tree table
 
 
 def plan(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, slots: int,
-         config: Config | None = None, num_splits: int | None = None) -> Launch:  # fmt: skip
+         config: Config | None = None, num_splits: int | None = None,
+         invariant: bool = False) -> Launch:  # fmt: skip
     """The launch for problem p in `dtype`: max_len bounds the lengths (steers the split count); slots
-    is the number of programs that run at once (multiprocessors)."""
+    is the number of programs that run at once (multiprocessors); invariant: the row-invariant mode
+    (module docstring), whose splits are fixed by position and always merged."""
+    if invariant:
+        cfg = invariant_config(dtype, p.d_v)
+        splits = triton.cdiv(max(max_len, 1), INVARIANT_CHUNK)
+        part = torch.empty(p.b, splits, p.rows, p.d_v, dtype=torch.float32, device=device)
+        plse = torch.empty(p.b, splits, p.rows, dtype=torch.float32, device=device)
+        return Launch(cfg, splits, part, plse, INVARIANT_CHUNK, ancestor_slots(p))
     cfg = config or pick_config(dtype, p.rows, p.d_v)
     m_blocks = triton.cdiv(p.rows, cfg.block_m)
     splits = num_splits or pick_num_splits(p.b, m_blocks, max_len, cfg, p.d_v, p.d, slots)
@@ -287,7 +385,8 @@ def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out
         kv_cache = kv_cache.contiguous()
     _launch_kernel(launch, p, q, kv_cache, out, lse)
     if launch.part is not None:
-        merge_splits(launch.part, launch.plse, out.view(p.b, p.rows, p.d_v), lse.view(p.b, p.rows))
+        merge_splits(launch.part, launch.plse, out.view(p.b, p.rows, p.d_v), lse.view(p.b, p.rows),
+                     fixed_rounds=launch.chunk > 0)  # fmt: skip
 
 
 def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
@@ -299,13 +398,15 @@ def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.
         part, plse = launch.part, launch.plse
         sob, sos, slb, sls = part.stride(0), part.stride(1), plse.stride(0), plse.stride(1)
     page_size = kv_cache.shape[1] if p.paged else 1
+    anc = launch.ancestors if launch.ancestors is not None else p.seqlens  # never read without a tree
+    anc_strides = (anc.stride(0), anc.stride(1)) if launch.ancestors is not None else (0, 0)
     _split_kv_kernel[(triton.cdiv(rows, cfg.block_m), launch.num_splits, p.b)](
-        q, kv_cache, p.seqlens, p.mask.tensor, p.table, part, plse,
+        q, kv_cache, p.seqlens, p.mask.tensor, anc, p.table, part, plse,
         p.t, p.h, rows, launch.num_splits, p.qk_scale, page_size,
         q.stride(0), kv_cache.stride(0), kv_cache.stride(1), p.table.stride(0), p.mask.stride_b,
-        p.mask.stride_i, sob, sos, slb, sls,
+        p.mask.stride_i, sob, sos, slb, sls, *anc_strides,
         D_C=d_c, D_R=p.d - d_c, BLOCK_DC=triton.next_power_of_2(d_c),
         BLOCK_DR=max(16, triton.next_power_of_2(max(p.d - d_c, 1))), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGED=p.paged, MASK_MODE=p.mask.mode, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHUNK=launch.chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
