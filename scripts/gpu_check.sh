@@ -8,8 +8,8 @@
 # GPU tests against the port at .peers/sglang, then `kdtree-engine bench sglang` (its tree path);
 # "sglang-verify" runs the GPU tests against SGLang's Triton extend kernel, then `kdtree-engine bench
 # sglang` with both sections (the tree path at the verify-attention section's batches and budgets t - 1).
-# "kimi" runs the GPU tests of the MoE and row-invariant GEMM kernels and of `bench kimi`, the row-invariant
-# GEMM against cuBLAS (scripts/bench_linear.py, issue 32), then `kdtree-engine bench kimi` with its layer,
+# "kimi" runs the GPU tests of the MoE kernels, of the row-invariant mode (GEMM, attention, model; issue 32)
+# and of `bench kimi`, the row-invariant GEMM against cuBLAS (scripts/bench_linear.py, issue 32), then `kdtree-engine bench kimi` with its layer,
 # drafter and tree sections (issue 34); "kimi-port" adds the port section (the SGLang port's tree
 # path and verify attention; needs .peers/sglang) to the kimi_bench.json of an earlier "kimi" call, carried
 # as out/kimi_bench.json (KIMI_JSON overrides).
@@ -53,7 +53,8 @@ if [ "$what" = sglang-verify ]; then
 fi
 if [ "$what" = kimi ]; then
   timeout "${T_KT:-120}" python3 -m pytest -q -m gpu tests/kernels/test_moe.py tests/kernels/test_linear.py \
-    tests/bench/test_kimi.py -p no:cacheprovider -rs 2>&1 | tee "$R/kimi_tests.log" | tail -20 || status=1
+    tests/kernels/test_mla_attention_invariant.py tests/model/test_row_invariance.py tests/bench/test_kimi.py \
+    -p no:cacheprovider -rs 2>&1 | tee "$R/kimi_tests.log" | tail -20 || status=1
   timeout "${T_LIN:-60}" python3 scripts/bench_linear.py --rep-ms 30 2>&1 | tee "$R/bench_linear.log" | tail -60 \
     || status=1
   timeout "${T_KIMI:-400}" python3 -m kdtree_engine bench kimi --sections layer drafter tree --out "$R/kimi" 2>&1 \

@@ -97,6 +97,30 @@ def test_launch_config_depends_on_the_weight_only():
     assert kernels.launch_config(1, 1, 2) == kernels.Launch(16, 16, 4, 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_batched_into_strided_views(dtype, device):
+    """MLA's per-head products as the model calls them: x a column slice of a wider buffer, weight a
+    transposed view (W_UK read in place), out columns of a wider buffer; values against float64 bmm,
+    the other columns of out untouched, and rows invariant to M."""
+    gen = torch.Generator().manual_seed(7)
+    h, m, d_nope, r = 3, 21, 24, 40
+    q = torch.randn(m, h, d_nope + 8, generator=gen).to(dtype).to(device)
+    w_uk = (torch.randn(h, d_nope, r, generator=gen) * d_nope**-0.5).to(dtype).to(device)
+    buf = torch.full((m, h, r + 8), 7.0, dtype=dtype, device=device)
+    x = q[..., :d_nope].transpose(0, 1)  # [h, m, d_nope]
+    out = kernels.batched_linear_into(x, w_uk.transpose(1, 2), buf[..., :r].transpose(0, 1))
+    want = torch.bmm(x.double().cpu(), w_uk.double().cpu())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.cpu().double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    assert bool((buf[..., r:] == 7.0).all())
+    for rows in (1, 2, 17):
+        part = torch.empty(h, rows, r, dtype=dtype, device=device)
+        kernels.batched_linear_into(x[:, :rows], w_uk.transpose(1, 2), part)
+        assert torch.equal(part, out[:, :rows])
+    with pytest.raises(ValueError, match="batched_linear_into"):
+        kernels.batched_linear_into(x, w_uk, buf[..., :r].transpose(0, 1))
+
+
 KIMI_SHAPES = [
     (2112, 7168),
     (1536, 1536),

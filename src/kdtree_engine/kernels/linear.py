@@ -56,31 +56,48 @@ def launch_config(n: int, k: int, itemsize: int) -> Launch:
     return Launch(block_n, block_k, num_warps=4, num_stages=4)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PRECISION: tl.constexpr):  # fmt: skip
-    """Program (row tile, column block): y[rows, cols] = x[rows] W[cols]^T (+ b[cols]), accumulated in
-    float32 over K in BLOCK_K steps, rounded once."""
+@triton.jit(do_not_specialize=["M", "stride_xb", "stride_xm", "stride_yb", "stride_ym"])
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xb, stride_xm, stride_wb, stride_wn, stride_wk,
+                   stride_yb, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """Program (row tile, column block, batch): y[batch, rows, cols] = x[batch, rows] W[batch, cols]^T
+    (+ b[cols]), accumulated in float32 over K in BLOCK_K steps, rounded once. x and y have unit stride
+    along K and N; W any strides."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    batch = tl.program_id(2).to(tl.int64)
     row_ok, col_ok = rows < M, cols < N
     kk = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rows[:, None] * stride_x  # [BLOCK_M, 1]
-    w_cols = w_ptr + cols[None, :].to(tl.int64) * stride_w  # [1, BLOCK_N]
+    x_rows = x_ptr + batch * stride_xb + rows[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_cols = w_ptr + batch * stride_wb + cols[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + kk
         k_ok = ks < K
         xa = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wb = tl.load(
-            w_cols + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
-        )  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(xa, wb, acc, input_precision=PRECISION)
+        w_tile = w_cols + ks[:, None].to(tl.int64) * stride_wk  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(xa, tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0), acc,
+                     input_precision=PRECISION)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rows[:, None] * stride_y + cols[None, :]
+    out = y_ptr + batch * stride_yb + rows[:, None] * stride_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """x [B, M, K], weight [B, N, K] (any strides), y [B, M, N]; x and y with unit stride along K, N."""
+    nb, m, k = x.shape
+    n = weight.shape[1]
+    if m == 0 or nb == 0:
+        return
+    cfg = launch_config(n, k, x.element_size())
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), nb)
+    _linear_kernel[grid](
+        x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PRECISION="ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,15 +110,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    m = rows.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        cfg = launch_config(n, k, x.element_size())
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n))
-        _linear_kernel[grid](
-            rows, weight, bias if bias is not None else weight, y, m, n, k, rows.stride(0), weight.stride(0),
-            y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            PRECISION="ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+    y = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
+    _launch(rows[None], weight[None], bias, y[None])
     return y.view(*x.shape[:-1], n)
+
+
+def batched_linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = x[i] weight[i]^T for each i: x [B, M, K], weight [B, N, K] (any strides: a transposed
+    view is read in place), out [B, M, N] (may be a strided view, e.g. columns of a wider buffer), one
+    dtype (float32, bfloat16 or float16); x and out with unit stride along their last dim. The
+    per-head projections of MLA (W_UK, W_UV) as row-invariant GEMMs. Returns out."""
+    if x.dim() != 3 or weight.dim() != 3 or out.dim() != 3:
+        raise ValueError("batched_linear_into: expected x [B, M, K], weight [B, N, K], out [B, M, N]")
+    nb, m, k = x.shape
+    if weight.shape[0] != nb or weight.shape[2] != k or tuple(out.shape) != (nb, m, weight.shape[1]):
+        raise ValueError(
+            f"batched_linear_into: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}"
+        )
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or not (x.dtype == weight.dtype == out.dtype):
+        raise ValueError("batched_linear_into: x and out need unit stride along their last dim, one dtype")
+    _launch(x, weight, None, out)
+    return out

@@ -311,6 +311,7 @@ def moe_experts(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     shared: Shared | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """x [n, H], weights [n, k] float32 (already scaled), ids [n, k] int64 in -1..E-1, w_gate_up
     [E, 2I, H], w_down [E, H, I], shared None or (w_gate [Is, H], w_up [Is, H], w_down [H, Is]) (all in
@@ -318,7 +319,8 @@ def moe_experts(
     k choices of weight * down(silu(gate(x)) * up(x)), plus the shared expert's output (ref.moe), with
     float32 accumulation and one rounding; a choice of -1 (an expert held by another rank) adds nothing.
     Four launches, no host sync; float64 runs the reference. Ids outside -1..E-1 are not allowed (their
-    output rows would be left unwritten)."""
+    output rows would be left unwritten). invariant: the decode launch (16-row tiles) at every size, so
+    that a token's row has the same bits whatever else is in the launch (issue 32)."""
     n, k, n_experts, hidden, inter = check_moe_args(x, weights, ids, w_gate_up, w_down, shared)
     if x.dtype == torch.float64:
         return moe_experts_ref(x, weights, ids, w_gate_up, w_down, shared)
@@ -328,7 +330,7 @@ def moe_experts(
     ws_gate, ws_up, ws_down = (w.contiguous() for w in shared) if shared is not None else (w_gate_up,) * 3
     inter_s = ws_gate.shape[0] if shared is not None else 0
     n_assign, dev = n * k, x.device
-    launch = launch_config(n_assign, n_experts, x.element_size())
+    launch = launch_config(min(n_assign, DECODE_ROWS) if invariant else n_assign, n_experts, x.element_size())
     order, bounds, tile_expert, tile_row = tile_map(ids, n_experts, launch.block_m)
     n_shared = triton.cdiv(n, launch.block_m) if shared is not None else 0  # S: the shared tiles
     n_tiles, width = n_shared + tile_expert.numel(), max(inter, inter_s)

@@ -22,7 +22,9 @@ class ForwardContext:
     attention reads it, as it has a Hopper kernel of its own); start [b] int64: cached rows before the
     forward (the new rows go to start[b] .. start[b] + t - 1); t: new tokens per request; visibility
     [b, t, t] bool among them; cos / sin [b, t, d_r / 2] in the activations' dtype; validate: False
-    keeps every host read out (CUDA graph capture; the Hopper schedule is then computed on the device).
+    keeps every host read out (CUDA graph capture; the Hopper schedule is then computed on the device);
+    invariant: on the kernel path, every op computes a token's row with an order that does not depend on
+    the rest of the launch (the model's `row_invariant`; issue 32).
     """
 
     config: ModelConfig
@@ -33,6 +35,7 @@ class ForwardContext:
     cos: torch.Tensor
     sin: torch.Tensor
     validate: bool = True
+    invariant: bool = False
     plan: AttentionPlan | None = field(default=None, init=False)
 
     @functools.cached_property
@@ -40,6 +43,11 @@ class ForwardContext:
         """Whether the ops without a Hopper kernel of their own run their Triton kernels (impl resolved
         once for the forward: kdtree_engine.impl.resolve_impl)."""
         return resolve_impl(self.impl, self.start.device) == "triton"
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether this forward's kernels run row-invariant: asked for, and on the kernel path."""
+        return self.invariant and self.kernels
 
     @property
     def op_impl(self) -> str:
@@ -63,5 +71,5 @@ class ForwardContext:
             c = self.config
             self.plan = plan_attention(q, kv_layer, self.start + self.t, softmax_scale=c.softmax_scale,
                                        d_v=c.kv_lora_rank, visibility=self.visibility, impl=self.impl,
-                                       validate=self.validate)  # fmt: skip
+                                       validate=self.validate, invariant=self.row_invariant)  # fmt: skip
         return self.plan.run(q, kv_layer)[0]

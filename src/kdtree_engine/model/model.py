@@ -14,6 +14,7 @@ from kdtree_engine.model import rope
 from kdtree_engine.model.cache import LatentKVCache
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.model.context import ForwardContext
+from kdtree_engine.model.linear import project
 from kdtree_engine.model.mla import MLAttention, RMSNorm
 from kdtree_engine.model.moe import MLP, MoE
 
@@ -39,7 +40,7 @@ class DecoderLayer(nn.Module):
         """x [b, t, hidden] the residual stream, h = input_layernorm(x) -> (x + attention, the MLP's
         output not yet added): the model adds it with the next norm (one launch on the kernel path)."""
         x, h = self.post_attention_layernorm.add_norm(x, self.self_attn(h, kv_layer, ctx), ctx.op_impl)
-        return x, self.mlp(h, ctx.op_impl)
+        return x, self.mlp(h, ctx.op_impl, ctx.row_invariant)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -54,6 +55,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # On the kernel path, compute every token's row with an order independent of the rest of the
+        # launch (issue 32): greedy DDTree then equals autoregressive decoding bit for bit. Off by default.
+        self.row_invariant = False
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 per device, not a buffer: .to(bf16)
         self._causal: dict[tuple[int, torch.device], torch.Tensor] = {}  # small t: no mask launches
 
@@ -128,7 +132,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
-        ctx = ForwardContext(self.config, impl, start, t, visibility, cos, sin, check_values)
+        ctx = ForwardContext(
+            self.config, impl, start, t, visibility, cos, sin, check_values, self.row_invariant
+        )
         captured, delta = {}, None
         for i, layer in enumerate(self.layers):
             x, h = layer.input_layernorm.add_norm(x, delta, ctx.op_impl)  # x: layer i - 1's output
@@ -138,7 +144,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         captured[len(self.layers) - 1] = x
         if logits_rows is not None:
             h = h[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]
-        logits = self.lm_head(h)
+        logits = project(h, self.lm_head, ctx.row_invariant)
         cache.seqlens.copy_(start + (lengths.to(dev) if lengths is not None else t))
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(logits.to(torch.promote_types(logits.dtype, torch.float32)), hidden)

@@ -13,6 +13,7 @@ from torch import nn
 
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.config import ModelConfig
+from kdtree_engine.model.linear import project
 from kdtree_engine.ref.moe import Shared, moe_experts_ref
 
 
@@ -25,9 +26,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
-        """impl: accepted for the model's uniform layer call; the three GEMMs and the SiLU are torch ops."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, impl: str | None = "ref", invariant: bool = False) -> torch.Tensor:
+        """impl: accepted for the model's uniform layer call; the three GEMMs and the SiLU are torch ops,
+        the GEMMs row-invariant (kernels/linear.py) when `invariant` on the kernel path."""
+        inv = invariant and resolve_impl(impl, x.device) == "triton"
+        h = F.silu(project(x, self.gate_proj, inv)) * project(x, self.up_proj, inv)
+        return project(h, self.down_proj, inv)
 
 
 class Router(nn.Module):
@@ -114,15 +118,18 @@ class MoE(nn.Module):
             return None
         return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
-    def forward(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, impl: str | None = "ref", invariant: bool = False) -> torch.Tensor:
         """x [b, t, hidden] -> [b, t, hidden]. "triton": six launches, the router's two, then the routed
-        and shared experts in the four of kernels.moe (one rounding of their sum); "ref": the torch
-        reference, routed then shared, each rounded to the model dtype."""
+        and shared experts in the four of kernels.moe (one rounding of their sum; `invariant`: one
+        launch shape at every size); "ref": the torch reference, routed then shared, each rounded to the
+        model dtype."""
         flat = x.reshape(-1, x.shape[-1])  # [n, hidden]
         weights, ids = self.gate(flat, impl)
         if resolve_impl(impl, x.device) == "triton":
             from kdtree_engine.kernels.moe import moe_experts  # imported lazily: triton is optional
 
             routed = self.experts.gate_up_proj, self.experts.down_proj
-            return moe_experts(flat, weights, ids, *routed, self.shared_weights()).view_as(x)
+            return moe_experts(
+                flat, weights, ids, *routed, self.shared_weights(), invariant=invariant
+            ).view_as(x)
         return self.experts(flat, weights, ids, impl).view_as(x) + self.shared_experts(x)
