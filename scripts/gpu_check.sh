@@ -68,6 +68,17 @@ if [ "$what" = kimi-port ]; then
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
+if [ "$what" = invariant ]; then
+  # issue 32: greedy outputs against autoregressive decoding with the row-invariant mode, and its cost
+  # (the same grid without the mode, same call)
+  for mode in --row-invariant ""; do
+    name=nano${mode:+_invariant}
+    timeout "${T_INV:-270}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 \
+      --budgets 8 16 32 64 --auto $mode --out "$R/$name" 2>&1 | tee "$R/bench_$name.log" | tail -30 || status=1
+  done
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
 if [ "$what" = e2e ]; then
   timeout "${T_E2E:-400}" python3 -m kdtree_engine bench e2e --out "$R/e2e" 2>&1 | tee "$R/bench_e2e.log" \
     | tail -40 || status=1

@@ -172,6 +172,11 @@ def test_cuda_graphs_setting_is_checked():
         generate(target, drafter, [[1, 2, 3]], config)
 
 
+def test_row_invariant_setting_is_checked():
+    with pytest.raises(ValueError, match="row_invariant: expected True or False"):
+        GenerationConfig(max_new_tokens=4, row_invariant="yes")
+
+
 def test_limits_are_checked_before_any_allocation():
     """A huge max_new_tokens is clamped to the context before the cache is sized; a budget past what a
     tree op builds is refused before anything is allocated (budgets below it whose verify forward

@@ -1,10 +1,10 @@
-"""The model's row-invariant mode (`model.row_invariant`, issue 32), on the CPU through the Triton
-interpreter: a tree verify forward gives every node the logits, bit for bit, that the same token gets
-when its path is decoded one token at a time, and the cache rows it writes are the ones those steps
-write (float32 and bf16); a request gets the same logits alone and batched. The prompt (66 tokens)
-crosses the kernels' 64-position tile, and the attention's splits are set to 64 positions so that
-several take part. Without the mode the same comparison fails in float32 (checked here, so the test can
-tell; in bf16 at this tiny size the rounding of the logits hides the differences)."""
+"""The model's row-invariant mode (`row_invariant=True` in the forward, issue 32), on the CPU through
+the Triton interpreter: a tree verify forward gives every node the logits, bit for bit, that the same
+token gets when its path is decoded one token at a time, and the cache rows it writes are the ones
+those steps write (float32 and bf16); a request gets the same logits alone and batched. The prompt (66
+tokens) crosses the kernels' 64-position tile, and the attention's splits are set to 64 positions so
+that several take part. Without the mode the same comparison fails in float32 (checked here, so the
+test can tell; in bf16 at this tiny size the rounding of the logits hides the differences)."""
 
 from __future__ import annotations
 
@@ -36,34 +36,36 @@ def _tree(batch: int, seed: int):
     return prompt, tokens, vis
 
 
-def _verify(model, prompt, tokens, vis):
+def _verify(model, prompt, tokens, vis, invariant: bool):
     """Prefill the prompts, then one verify forward of the trees: (logits [b, t, V], cache)."""
     b = prompt.shape[0]
     cache = model.new_cache(b, PROMPT + NODES + 4)
-    model(prompt, cache, impl="triton")
+    model(prompt, cache, impl="triton", row_invariant=invariant)
     depth = vis.sum(-1) - 1
-    out = model(tokens, cache, positions=PROMPT + depth, visibility=vis, impl="triton")
+    out = model(
+        tokens, cache, positions=PROMPT + depth, visibility=vis, impl="triton", row_invariant=invariant
+    )
     return out.logits, cache
 
 
-def _path(model, prompt, tokens, vis, r: int, i: int):
+def _path(model, prompt, tokens, vis, r: int, i: int, invariant: bool):
     """Node i of request r decoded as a path: the prompt, then its ancestors one token at a time.
     Returns (logits [V] of the last step, the cache rows of the path [layers, path, d])."""
     cache = model.new_cache(1, PROMPT + NODES + 4)
-    model(prompt[r : r + 1], cache, impl="triton")
+    model(prompt[r : r + 1], cache, impl="triton", row_invariant=invariant)
     ancestors = vis[r, i].nonzero().flatten()
     for a in ancestors:
-        logits = model(tokens[r : r + 1, a : a + 1], cache, impl="triton").logits
+        logits = model(tokens[r : r + 1, a : a + 1], cache, impl="triton", row_invariant=invariant).logits
     return logits[0, 0], cache.kv[:, 0, PROMPT : PROMPT + len(ancestors)], ancestors
 
 
-def _differing_nodes(model, batch: int, seed: int) -> int:
+def _differing_nodes(model, batch: int, seed: int, invariant: bool = True) -> int:
     prompt, tokens, vis = _tree(batch, seed)
-    logits, cache = _verify(model, prompt, tokens, vis)
+    logits, cache = _verify(model, prompt, tokens, vis, invariant)
     differing = 0
     for r in range(batch):
         for i in range(NODES):
-            step, path_rows, ancestors = _path(model, prompt, tokens, vis, r, i)
+            step, path_rows, ancestors = _path(model, prompt, tokens, vis, r, i, invariant)
             same_rows = torch.equal(cache.kv[:, r, PROMPT + ancestors], path_rows)
             differing += not (torch.equal(logits[r, i], step) and same_rows)
     return differing
@@ -71,22 +73,19 @@ def _differing_nodes(model, batch: int, seed: int) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_tree_nodes_get_the_logits_of_their_decoded_paths(dtype):
-    model = _model(dtype)
-    model.row_invariant = True
-    assert _differing_nodes(model, batch=2, seed=1) == 0
+    assert _differing_nodes(_model(dtype), batch=2, seed=1) == 0
 
 
 def test_without_the_mode_the_same_comparison_fails():
-    assert _differing_nodes(_model(torch.float32), batch=2, seed=1) > 0
+    assert _differing_nodes(_model(torch.float32), batch=2, seed=1, invariant=False) > 0
 
 
 def test_a_request_gets_the_same_logits_alone_and_batched():
     model = _model(torch.float32)
-    model.row_invariant = True
     prompt, tokens, vis = _tree(3, seed=2)
-    batched, _ = _verify(model, prompt, tokens, vis)
+    batched, _ = _verify(model, prompt, tokens, vis, True)
     for r in range(3):
-        alone, _ = _verify(model, prompt[r : r + 1], tokens[r : r + 1], vis[r : r + 1])
+        alone, _ = _verify(model, prompt[r : r + 1], tokens[r : r + 1], vis[r : r + 1], True)
         assert torch.equal(alone[0], batched[r]), f"request {r}"
 
 
@@ -94,6 +93,4 @@ def test_a_request_gets_the_same_logits_alone_and_batched():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_tree_nodes_get_the_logits_of_their_decoded_paths_on_the_gpu(dtype):
     """The same on CUDA (compiled kernels, the Hopper attention kernel set aside by the mode)."""
-    model = _model(dtype).cuda()
-    model.row_invariant = True
-    assert _differing_nodes(model, batch=3, seed=3) == 0
+    assert _differing_nodes(_model(dtype).cuda(), batch=3, seed=3) == 0

@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=12, help="target layers (small; the shape's 12)")
     parser.add_argument("--impl", choices=("triton", "hopper"), default=None)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--row-invariant",
+        action="store_true",
+        help="every run with the target's row-invariant mode (greedy outputs then equal autoregressive "
+        "decoding bit for bit; issue 32)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/e2e"))
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when there is one)")
     drafter = "nano: a DFlash drafter dir, or 'random' (untrained); default: assets/kimi-nano-dflash"

@@ -49,7 +49,8 @@ def bench_setting(target, drafter, groups, batch: int, temperature: float, args)
 
     graphs = False if args.eager else None
     base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs, seed=args.seed,
-                sampling=SamplingParams(temperature=temperature))  # fmt: skip
+                sampling=SamplingParams(temperature=temperature),
+                row_invariant=getattr(args, "row_invariant", False))  # fmt: skip
     rows, ar, ar_tokens = [], None, None
     for method, budget in runs(args.budgets, getattr(args, "auto", False)):
         config = GenerationConfig(method=method, budget=budget, **base)

@@ -124,7 +124,8 @@ def bench_batch(target, batch: int, args, device) -> tuple[list[dict], list[dict
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, target.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
     graphs = False if args.eager else None
-    base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs)
+    base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs,
+                row_invariant=getattr(args, "row_invariant", False))  # fmt: skip
     ar = _run(target, None, prompts, GenerationConfig(method="autoregressive", **base))
     horizon = [list(p) + t for p, t in zip(prompts, ar["tokens"])]
     drafter = NoisyOracleDrafter(horizon, target.config.vocab_size, block_size=16, device=device)

@@ -59,6 +59,9 @@ HELP = {
     "Hopper attention kernel where it applies, Triton elsewhere (default: the fastest that applies)",
     "cuda_graphs": "run every decoding round eagerly (default on CUDA with the kernels: rounds are "
     "replayed from CUDA graphs captured after the first one; the tokens are the same)",
+    "row_invariant": "compute every token's row with an order that does not depend on the rest of the "
+    "forward (with the kernels): greedy DDTree and DFlash then give the autoregressive tokens bit for bit "
+    "in any dtype, and a request the tokens it gets alone",
 }
 FLAGS = {"stop_tokens": "--stop", "stop_strings": "--stop-string"}
 METAVARS = {"stop_tokens": "ID", "stop_strings": "S"}

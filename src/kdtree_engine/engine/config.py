@@ -46,6 +46,10 @@ class GenerationConfig:
     cuda_graphs: capture each stage of a decoding round in a CUDA graph after the first round and
         replay it; None (default) does so on CUDA with a kernel impl, False runs every round eagerly
         (same tokens), True requires a CUDA target and a kernel impl.
+    row_invariant: the target computes every token's row with an order that does not depend on the
+        rest of its forward (kernel impls; the model's `row_invariant`): greedy DDTree and DFlash then
+        give the tokens of greedy autoregressive decoding bit for bit in any dtype, and a request the
+        tokens it gets alone. Off by default until its cost is measured (issue 32).
     """
 
     max_new_tokens: int = 64
@@ -57,6 +61,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     impl: str | None = None
     cuda_graphs: bool | None = None
+    row_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -84,6 +89,8 @@ class GenerationConfig:
         check_impl(self.impl)
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs: expected None, True or False, got {self.cuda_graphs!r}")
+        if not isinstance(self.row_invariant, bool):
+            raise ValueError(f"row_invariant: expected True or False, got {self.row_invariant!r}")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
         object.__setattr__(self, "budget", self.budget if self.budget is None or auto else int(self.budget))
         object.__setattr__(self, "seed", int(self.seed))

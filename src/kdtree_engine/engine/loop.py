@@ -211,9 +211,8 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None) -
             _reset_cache(state.dcache)
     with run.timer.stage("prefill"):
         ids, lens = pad_prompts(prompts, cache.seqlens.device)
-        out = run.target(
-            ids, cache, lengths=lens, capture_layers=run.capture, impl=run.impl, logits_rows=lens - 1
-        )
+        out = run.target(ids, cache, lengths=lens, capture_layers=run.capture, impl=run.impl,
+                         logits_rows=lens - 1, row_invariant=run.config.row_invariant)  # fmt: skip
         bonus = _pick(run, out.logits[:, 0])  # [B]
     run.stats.target_forwards += 1
     for r, t in enumerate(bonus.tolist()):
@@ -369,8 +368,8 @@ class _Stages:
     def verify(self, n: int) -> None:
         run, s = self.run, self.s
         _, ids, positions, visibility = self._first(n)
-        out = run.target(ids, s.cache, positions=positions, visibility=visibility,
-                         capture_layers=run.capture, impl=run.impl, validate=False)  # fmt: skip
+        out = run.target(ids, s.cache, positions=positions, visibility=visibility, capture_layers=run.capture,
+                         impl=run.impl, validate=False, row_invariant=run.config.row_invariant)  # fmt: skip
         setattr(self, f"out_{n}", out)  # logits [B, n + 1, V], hidden [B, n + 1, F]
 
     def accept(self, n: int) -> None:
@@ -417,8 +416,8 @@ class _Stages:
         run, s = self.run, self.s
         lengths = s.active.long()  # a done request rewrites its row and keeps its length
         capture = run.capture if into_context else ()
-        out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=capture,
-                         impl=run.impl, validate=False)  # fmt: skip
+        out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=capture, impl=run.impl,
+                         validate=False, row_invariant=run.config.row_invariant)  # fmt: skip
         self.logits = out.logits
         if into_context:
             at = s.ctx_lens.clamp(max=s.ctx.shape[1] - 1)[:, None, None].expand(-1, 1, s.ctx.shape[-1])

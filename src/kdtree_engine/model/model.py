@@ -55,9 +55,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # On the kernel path, compute every token's row with an order independent of the rest of the
-        # launch (issue 32): greedy DDTree then equals autoregressive decoding bit for bit. Off by default.
-        self.row_invariant = False
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # float32 per device, not a buffer: .to(bf16)
         self._causal: dict[tuple[int, torch.device], torch.Tensor] = {}  # small t: no mask launches
 
@@ -105,6 +102,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         impl: str | None = None,
         logits_rows: torch.Tensor | None = None,
         validate: bool = True,
+        row_invariant: bool = False,
     ) -> ForwardOutput:
         """Run t new tokens per request on top of the cached prefix.
 
@@ -116,6 +114,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         logits are then [b, 1, V], which saves the [b, t, V] projection of a long prefill.
         validate=False (and CUDA graph capture) skips the checks that read tensor values, so that with a
         kernel impl the forward never waits for the device: cache.seqlens is updated in place.
+        row_invariant: on the kernel path, every op computes a token's row with an order that does not
+        depend on the rest of the launch (issue 32): a tree node then gets the bits of the same token
+        decoded alone after its ancestors, and a request those it gets alone.
         """
         check_values = validate and not capturing(input_ids.device)
         b, t = self._check_inputs(input_ids, cache, positions, visibility, lengths, capture_layers)
@@ -132,9 +133,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
-        ctx = ForwardContext(
-            self.config, impl, start, t, visibility, cos, sin, check_values, self.row_invariant
-        )
+        ctx = ForwardContext(self.config, impl, start, t, visibility, cos, sin, check_values, row_invariant)
         captured, delta = {}, None
         for i, layer in enumerate(self.layers):
             x, h = layer.input_layernorm.add_norm(x, delta, ctx.op_impl)  # x: layer i - 1's output
