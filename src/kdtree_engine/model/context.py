@@ -21,17 +21,17 @@ class ForwardContext:
     config: the model's; impl: as the forward was given it ("ref", "triton", "hopper" or None; the
     attention reads it, as it has a Hopper kernel of its own); start [b] int64: cached rows before the
     forward (the new rows go to start[b] .. start[b] + t - 1); t: new tokens per request; visibility
-    [b, t, t] bool among them; cos / sin [b, t, d_r / 2] in the activations' dtype; validate: False
-    keeps every host read out (CUDA graph capture; the Hopper schedule is then computed on the device);
-    invariant: on the kernel path, every op computes a token's row with an order that does not depend on
-    the rest of the launch (the model's `row_invariant`; issue 32).
+    [b, t, t] bool among them (None: causal); cos / sin [b, t, d_r / 2] in the activations' dtype;
+    validate: False keeps every host read out (CUDA graph capture; the Hopper schedule is then computed
+    on the device); invariant: on the kernel path, every op computes a token's row with an order that
+    does not depend on the rest of the launch (the forward's `row_invariant`; issue 32).
     """
 
     config: ModelConfig
     impl: str | None
     start: torch.Tensor
     t: int
-    visibility: torch.Tensor
+    visibility: torch.Tensor | None
     cos: torch.Tensor
     sin: torch.Tensor
     validate: bool = True

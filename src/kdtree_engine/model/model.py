@@ -128,9 +128,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         start = cache.seqlens.clone()
         if positions is None:
             positions = start[:, None] + torch.arange(t, device=dev)
-        if visibility is None:
+        if visibility is not None:
+            visibility = visibility.to(dev)
+        elif not row_invariant:  # the row-invariant attention takes a causal forward as such (no table)
             visibility = self.causal_mask(t).expand(b, t, t)
-        visibility = visibility.to(dev)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
         ctx = ForwardContext(self.config, impl, start, t, visibility, cos, sin, check_values, row_invariant)
