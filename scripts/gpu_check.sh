@@ -71,9 +71,12 @@ fi
 if [ "$what" = invariant ]; then
   # issue 32: greedy outputs against autoregressive decoding with the row-invariant mode, and its cost
   # (the same grid without the mode, same call)
+  timeout "${T_ATTN_INV:-100}" python3 -m kdtree_engine bench attention --out "$R/attention_invariant" --heads 64 8 \
+    --tokens 1 9 33 --seqlens 4096 32768 --batch 1 16 --invariant --no-naive --no-flashmla --rep 30 2>&1 \
+    | tee "$R/bench_attention_invariant.log" | tail -20 || status=1
   for mode in --row-invariant ""; do
     name=nano${mode:+_invariant}
-    timeout "${T_INV:-270}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 \
+    timeout "${T_INV:-230}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 \
       --budgets 8 16 32 64 --auto $mode --out "$R/$name" 2>&1 | tee "$R/bench_$name.log" | tail -30 || status=1
   done
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results

@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flashmla_help = "skip FlashMLA (timed by default where the flash_mla package imports)"
     parser.add_argument("--no-flashmla", action="store_true", help=flashmla_help)
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per point, ms")
+    invariant_help = "also time the Triton kernel's row-invariant mode (issue 32) on the same inputs"
+    parser.add_argument("--invariant", action="store_true", help=invariant_help)
     parser.add_argument("--out", type=Path, default=Path("out/attention"), help="output directory")
 
 
@@ -114,10 +116,10 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
     problems = [make_problem(b, t, h, s, args.page_size, device, seed=i) for i in range(copies)]
     scale = 192**-0.5
 
-    def ours(p, impl=None, validate=True):
+    def ours(p, impl=None, validate=True, invariant=False):
         plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=scale, d_v=D_C,
                               visibility=p["vis"], block_table=p["block_table"], impl=impl,
-                              validate=validate)  # fmt: skip
+                              validate=validate, invariant=invariant)  # fmt: skip
         return plan, lambda: plan.run(p["q"], p["kv"])
 
     flops, nbytes = work(b, t, h, s)
@@ -132,6 +134,9 @@ def time_point(b, t, h, s, args, roof, device) -> dict:
         row["triton_us"] = graph_us([ours(p, impl="triton")[1] for p in problems], args.rep)
         tri, _ = ours(problems[0], impl="triton")[1]()
         row["max_err_vs_triton"] = _max_diff(out, tri)
+    if getattr(args, "invariant", False):  # the row-invariant mode: its cost against the fastest kernel
+        row["invariant_us"] = graph_us([ours(p, invariant=True)[1] for p in problems], args.rep)
+        row["max_err_invariant"] = _max_diff(out, ours(problems[0], invariant=True)[1]()[0])
     floor_us = max(flops / roof["matmul_TFLOPs"] / 1e6, nbytes / roof["copy_GBps"] / 1e3)
     row["roof_pct"] = 100 * floor_us / row["us"]
     dense = args.page_size == 0
@@ -184,6 +189,9 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def markdown(rows: list[dict], roof: dict, header: str) -> str:
     headers = ["h", "t", "s", "b", "kernel", "us", "TFLOP/s", "GB/s", "roof %", "device-planned us",
                "Triton-only us", "naive us", "naive TFLOP/s", "speedup"]  # fmt: skip
+    invariant = any("invariant_us" in r for r in rows)
+    if invariant:
+        headers += ["row-invariant us", "row-invariant / ours", "max diff"]
     peers = any("flashmla_us" in r for r in rows)
     if peers:
         headers += ["FlashMLA causal us", "ours / FlashMLA", "cascade us", "ours / cascade", "max diff"]
@@ -198,6 +206,9 @@ def markdown(rows: list[dict], roof: dict, header: str) -> str:
         ours = [f"{r['us']:.1f}", f"{r['tflops']:.0f}", f"{r['gbps']:.0f}", f"{r['roof_pct']:.0f}",
                 f"{r['device_planned_us']:.1f}"]  # fmt: skip
         table.append([r["h"], r["t"], r["s"], r["b"], r["kernel"], *ours, tri, *naive])
+        if invariant:
+            table[-1] += [f"{r['invariant_us']:.1f}", f"{r['invariant_us'] / r['us']:.2f}",
+                          f"{r['max_err_invariant']:.2g}"]  # fmt: skip
         if peers:
             table[-1] += _flashmla_cells(r)
     return (
