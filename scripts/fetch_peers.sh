@@ -7,6 +7,8 @@
 #   python/sglang/srt/speculative/ddtree_utils.py    (the CPU builder, build_ddtree_tree)
 #   python/sglang/srt/layers/attention/base_attn_backend.py  (AttentionBackend, which the kdtree_mla
 #     backend's tests subclass)
+#   python/sglang/srt/speculative/ddtree_worker_v2.py  (DDTreeWorkerV2, whose tensor-parallel draft top-k
+#     the sharded-topk bench's port side follows; its test compares the two)
 #   python/sglang/kernels/ops/attention/{extend,decode,prefill}_attention.py  (SGLang's Triton
 #     extend-attention kernel, extend_attention_fwd, and the two files it imports: the peer of the
 #     kdtree_mla backend's verify attention in its tests and in `kdtree-engine bench sglang`)
@@ -19,7 +21,7 @@ REV=${REV:-ddtree-v2}
 DEST=.peers/sglang
 ATTN=python/sglang/kernels/ops/attention
 FILES=(python/sglang/kernels/ops/speculative/ddtree.py python/sglang/srt/speculative/ddtree_utils.py
-       python/sglang/srt/layers/attention/base_attn_backend.py
+       python/sglang/srt/layers/attention/base_attn_backend.py python/sglang/srt/speculative/ddtree_worker_v2.py
        $ATTN/extend_attention.py $ATTN/decode_attention.py $ATTN/prefill_attention.py)
 
 if [ -d "$SRC" ]; then

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "e2e": ("kdtree_engine.bench.e2e", "whole generation runs: autoregressive, DFlash and DDTree"),
     "sglang": ("kdtree_engine.bench.sglang", "the SGLang DDTree port's tree path against our drop-in"),
     "kimi": ("kdtree_engine.bench.kimi", "one GPU's share of Kimi-K2 measured, the 8-GPU round projected"),
+    "sharded-topk": ("kdtree_engine.bench.sharded_topk", "TP draft top-k + tree on R ranks vs the port's"),
 }
 TRAINING = {
     "data": ("kdtree_engine.train.data", "prepare the kimi-nano corpus and tokenizer (Python stdlib source)"),

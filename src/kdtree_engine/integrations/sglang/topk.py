@@ -69,6 +69,23 @@ def draft_topk(
     if hidden_states.dtype != weight.dtype:
         hidden_states = hidden_states.to(weight.dtype)
     logits = torch.mm(hidden_states, weight.t())
+    return shard_logits_topk(logits, topk, vocab_start=vocab_start, group=group, blocks=blocks)
+
+
+def shard_logits_topk(
+    logits: torch.Tensor,
+    topk: int,
+    *,
+    vocab_start: int = 0,
+    group=None,
+    blocks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft_topk after the vocab matmul: logits [T, Vs] of this rank's shard (global ids vocab_start ..
+    vocab_start + Vs - 1) -> (log-probs [T, topk] float32, ids [T, topk] int64) over the whole
+    vocabulary; group and blocks as in draft_topk. Over several ranks: shard_partials, two all-gathers
+    (floats: top-k values and block maxima; ints: ids and block sums), merge_gathered on every rank."""
+    if topk < 1:
+        raise ValueError(f"topk: expected >= 1, got {topk}")
     if group is None or group.world_size == 1:
         lp, ids = whole_vocab_topk(logits, topk)
         return lp, (ids + vocab_start if vocab_start else ids)
