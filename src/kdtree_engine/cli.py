@@ -72,8 +72,13 @@ def version() -> str:
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
     """Append "(default: X)" to the help of every option that has a default value and whose help does
-    not already speak of its default (flags and None defaults are left alone)."""
+    not already speak of its default (flags and None defaults are left alone), in the command's own
+    subcommands too (`train carry pack`)."""
     for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+            continue
         if not action.option_strings or action.nargs == 0 or action.help == argparse.SUPPRESS:
             continue
         if action.default is None or action.default == argparse.SUPPRESS:
