@@ -61,7 +61,7 @@ for dt, size in (("bf16", 2), ("fp32", 4)):
             cst = dict(BLOCK_M=launch.block_m, BLOCK_N=b.block_n, BLOCK_K=b.block_k, PRECISION="ieee")
             key = f"{name}-{dt}-m{launch.block_m}-a{n_assign}"
             found[key] = build(fn, sig, cst, b.num_warps, b.num_stages)
-    sig = {"y_ptr": "*fp32", "out_ptr": ptr, **i32("NA", "H")}
+    sig = {"y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": ptr, **i32("NA", "H")}
     for shared in (True, False):
         cst = dict(TOPK=6, SHARED=shared, BLOCK=moe.COMBINE_BLOCK)
         found[f"combine-{dt}-shared{int(shared)}"] = build(moe._combine_kernel, sig, cst)
