@@ -86,6 +86,33 @@ def test_tree_rows_equal_their_autoregressive_steps(case, dtype, device):
             assert torch.equal(lse[r, i], step_lse), f"request {r} node {i}: lse"
 
 
+def test_paged_cache_gives_the_contiguous_bits(device):
+    """The same trees on a paged cache (pages of 16 rows, shuffled): the bits of the contiguous cache,
+    so the node's own tiles read their ancestors through the block table."""
+    q, kv, vis, lengths = _problem([70, 21], 6, 4, torch.bfloat16, seed=6, device=device)
+    b, s_max, d = kv.shape
+    pages_per = -(-s_max // 16)
+    perm = torch.randperm(b * pages_per, generator=torch.Generator().manual_seed(7))
+    table = perm.view(b, pages_per).to(device)
+    paged = torch.zeros(b * pages_per, 16, d, dtype=kv.dtype, device=device)
+    padded = torch.cat([kv, torch.zeros(b, pages_per * 16 - s_max, d, dtype=kv.dtype, device=device)], 1)
+    paged[table.flatten()] = padded.view(b * pages_per, 16, d)
+    want = _attend(q, kv, lengths, vis)
+    options = dict(softmax_scale=SCALE, d_v=D_C, visibility=vis, impl="triton", invariant=True)
+    got = tree_mla_attention(q, paged, lengths, block_table=table, **options)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_node_spread_over_two_row_blocks(device):
+    """128 heads: one node's rows fill two 64-row blocks; every node still equals its decoded path."""
+    prefixes, t, h = [67], 3, 128
+    q, kv, vis, lengths = _problem(prefixes, t, h, torch.bfloat16, seed=8, device=device)
+    out, lse = _attend(q, kv, lengths, vis)
+    for i in range(t):
+        step, step_lse = _autoregressive_step(q, kv, vis, 0, i, prefixes[0])
+        assert torch.equal(out[0, i], step) and torch.equal(lse[0, i], step_lse), f"node {i}"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_a_request_alone_and_in_a_batch_gets_the_same_bits(dtype, device):
     q, kv, vis, lengths = _problem([130, 3, 66], 6, 8, dtype, seed=1, device=device)
