@@ -86,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=Path, default=Path("out/bench_kimi"), help="directory for the json and tables"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--row-invariant",
+        action="store_true",
+        help="the layer section in the row-invariant mode (issue 32): run once with and once without it "
+        "for its cost at Kimi's shapes",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -264,13 +270,16 @@ def main(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda")
     copy_bw = device_copy_bandwidth(device)
+    mode = ", row-invariant" if args.row_invariant else ""
     header = (
-        f"Kimi-K2, one GPU's share (tp {args.tp}, ep {args.ep}), bf16: {torch.cuda.get_device_name(device)}, "
+        f"Kimi-K2, one GPU's share (tp {args.tp}, ep {args.ep}{mode}), "
+        f"bf16: {torch.cuda.get_device_name(device)}, "
         f"{utc_stamp()}; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + written)\n\n"
         f"command: kdtree-engine bench kimi {' '.join(sys.argv[3:])}".rstrip()
     )
     shard = Shard(tp=args.tp, ep=args.ep)
-    grid = {k: getattr(args, k) for k in ("batch", "tokens", "prefixes", "routings", "budgets", "tp", "ep")}
+    keys = ("batch", "tokens", "prefixes", "routings", "budgets", "tp", "ep", "row_invariant")
+    grid = {k: getattr(args, k) for k in keys}
     grid["counts"] = dataclasses.asdict(counts_of(shard))
     results: dict = {"header": header, "grid": grid, "copy_GBps": copy_bw / 1e9, "errors": []}
     if args.into is not None:

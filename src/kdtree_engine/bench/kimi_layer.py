@@ -155,15 +155,16 @@ class AttentionShard(nn.Module):
         return self.self_attn(self.input_layernorm(x, ctx.op_impl), kv_layer, ctx)
 
     def context(
-        self, b: int, t: int, prefix: int, visibility: torch.Tensor, impl: str | None
+        self, b: int, t: int, prefix: int, visibility: torch.Tensor, impl: str | None, invariant: bool = False
     ) -> ForwardContext:
         """The forward context of t new tokens per request on `prefix` cached rows (validate=False: no
-        host read, as a captured forward); its attention plan is built by the first call."""
+        host read, as a captured forward; invariant: the row-invariant mode, issue 32); its attention
+        plan is built by the first call."""
         dev, dtype = self.input_layernorm.weight.device, self.input_layernorm.weight.dtype
         start = torch.full((b,), prefix, dtype=torch.int64, device=dev)
         positions = start[:, None] + torch.arange(t, device=dev)
         cos, sin = rope.cos_sin(self.c, rope.inv_freq(self.c).to(dev), positions, dtype)
-        return ForwardContext(self.c, impl, start, t, visibility.to(dev), cos, sin, validate=False)
+        return ForwardContext(self.c, impl, start, t, visibility.to(dev), cos, sin, False, invariant)
 
 
 class MoEShard(nn.Module):
@@ -191,20 +192,25 @@ class MoEShard(nn.Module):
         return torch.where((local >= 0) & (local < self.grid.per_rank), local, -1)
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, impl: str | None
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        impl: str | None,
+        invariant: bool = False,
     ) -> torch.Tensor:
         """weights [n, k] float32 and ids [n, k] int64 (global): the routing to apply (the router's own
-        output is computed and mapped, then replaced: module docstring)."""
+        output is computed and mapped, then replaced: module docstring); invariant: the experts' one
+        launch shape of the row-invariant mode."""
         h = self.post_attention_layernorm(x, impl).reshape(-1, x.shape[-1])
         self.local(self.gate(h, impl)[1])
         shared = (self.shared_gate, self.shared_up, self.shared_down)
-        if resolve_impl(impl, h.device) == "triton":
-            from kdtree_engine.kernels.moe import (
-                moe_experts as experts,
-            )  # imported lazily: triton is optional
-        else:
-            experts = moe_experts_ref
-        return experts(h, weights, self.local(ids), self.gate_up_proj, self.down_proj, shared).view_as(x)
+        routed = (h, weights, self.local(ids), self.gate_up_proj, self.down_proj, shared)
+        if resolve_impl(impl, h.device) != "triton":
+            return moe_experts_ref(*routed).view_as(x)
+        from kdtree_engine.kernels.moe import moe_experts  # imported lazily: triton is optional
+
+        return moe_experts(*routed, invariant=invariant).view_as(x)
 
 
 def lm_head_shard(shard: Shard) -> nn.Linear:

@@ -22,6 +22,7 @@ from kdtree_engine.bench.kimi_layer import (
     randomize_,
 )
 from kdtree_engine.bench.timing import time_graph, time_host
+from kdtree_engine.model.linear import linear
 
 BF16 = torch.bfloat16
 
@@ -68,7 +69,7 @@ def _attention_point(run, part: AttentionShard, kv: torch.Tensor, prefix: int, b
     from kdtree_engine.bench.attention import _tree_visibility
 
     c = part.c
-    ctx = part.context(b, n, prefix, _tree_visibility(b, n, gen), impl=None)
+    ctx = part.context(b, n, prefix, _tree_visibility(b, n, gen), impl=None, invariant=run.args.row_invariant)
     x = torch.randn(b, n, c.hidden_size, device=run.device, dtype=BF16)
     _finite(part(x, kv, ctx), "attention share")
     row = {"prefix": prefix, "batch": b, "tokens": n, "kernel": ctx.plan.kernel}
@@ -111,7 +112,8 @@ def _moe_point(run, part: MoEShard, kind: str, b: int, n: int, gen) -> None:
     x = torch.randn(b, n, part.c.hidden_size, device=run.device, dtype=BF16, generator=gen)
     weights = torch.rand(b * n, grid.top_k, device=run.device, generator=gen)
     ids_dev = ids.to(run.device)
-    _finite(part(x, weights, ids_dev, None), "MoE share")
+    invariant = run.args.row_invariant
+    _finite(part(x, weights, ids_dev, None, invariant), "MoE share")
     row = {
         "routing": kind,
         "batch": b,
@@ -121,7 +123,7 @@ def _moe_point(run, part: MoEShard, kind: str, b: int, n: int, gen) -> None:
         "assignments": assignments,
         "experts_request": routing.distinct_per_request(ids, b),
     }
-    row["us"] = _timed(lambda: part(x, weights, ids_dev, None), run)
+    row["us"] = _timed(lambda: part(x, weights, ids_dev, None, invariant), run)
     run.emit("moe", _roofline(row, moe_bytes(part, b * n, experts), run))
 
 
@@ -132,7 +134,8 @@ def lm_head(run) -> None:
     for b in args.batch:
         for n in args.tokens:
             x = torch.randn(b * n, head.in_features, device=run.device, dtype=BF16)
-            row = {"batch": b, "tokens": n, "us": _timed(partial(head, x), run)}
+            project = partial(linear, x, head.weight, None, run.args.row_invariant)
+            row = {"batch": b, "tokens": n, "us": _timed(project, run)}
             run.emit("lm_head", _roofline(row, lm_head_bytes(head, b * n), run))
 
 
