@@ -558,13 +558,13 @@ def test_other_forwards_go_to_the_fallback():
     assert be.get_cuda_graph_seq_len_fill_value() == 1
 
 
-
 def test_exposes_the_pools_that_sglangs_forward_context_reads():
     """forward_context.get_req_to_token_pool() / get_token_to_kv_pool() read these two attributes off the
     running backend (the port's eager runner calls them in every extend; found in the live run)."""
     cache = Cache(Dims(layers=1), 1, [4], 2, torch.Generator().manual_seed(0))
     be = backend(cache, "ref")
     assert be.req_to_token_pool.req_to_token is cache.req_to_token and be.token_to_kv_pool is cache.pool
+
 
 def bad(name: str, fn) -> None:
     with pytest.raises(ValueError, match=name):

@@ -335,8 +335,8 @@ def test_gpu_captured_plan_replays_new_lengths(device, impl, h):
         pytest.skip("the Hopper kernel needs a compute capability 9.x GPU")
     gen = torch.Generator().manual_seed(h)
     b, t, d_c = 3, 9, 512
-    q, kv, lengths, vis, _, _ = make_inputs(b, t, h, d_c, 64, [100, 2000, 0], torch.bfloat16, None, "random", gen,
-                                            capacity=6000)  # fmt: skip
+    q, kv, lengths, vis, _, _ = make_inputs(b, t, h, d_c, 64, [100, 2000, 0], torch.bfloat16, None, "random",
+                                            gen, capacity=6000)  # fmt: skip
     kv = torch.randn(kv.shape, generator=gen).to(torch.bfloat16)  # every slot valid: lengths may grow
     q, kv, vis = q.cuda(), kv.cuda(), vis.cuda()
     seqlens = lengths.cuda()

@@ -27,8 +27,10 @@ SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "seqlens_ptr": "*i32", "bt_p
        "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32", "plse_ptr": "*fp32", "sched_ptr": "*i32"}
 SIG.update({name: "i32" for name in ("NT", "PER", "UNITS", "T", "H", "M", "MB")})
 SIG["qk_scale"] = "fp32"
-SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_btb", "stride_vb", "stride_vi")})
-SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "SCHED_ON_DEVICE", "num_warps")})
+SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_btb", "stride_vb",
+                                      "stride_vi")})
+SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "SCHED_ON_DEVICE",
+                                           "num_warps")})
 builds = [("visibility", False, 0), ("visibility", True, 0), ("bits", False, 1), ("causal", False, 2)]
 builds += [("device", False, 0)]  # the schedule read from the device (a captured forward)
 builds += [("ones", False, 1)]  # with the JIT's constexpr specialization of ints equal to 1

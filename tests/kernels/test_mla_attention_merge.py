@@ -1,6 +1,7 @@
-"""The LSE merge of split-KV partials (kernels.mla_attention_merge.merge_splits) against torch's logsumexp, with
-more splits than one round of loads takes, empty splits whose partial holds NaN, and rows no split saw.
-CPU: the Triton interpreter (4 splits per round); GPU: the launch a CUDA call uses (MERGE_SPLITS)."""
+"""The LSE merge of split-KV partials (kernels.mla_attention_merge.merge_splits) against torch's
+logsumexp, with more splits than one round of loads takes, empty splits whose partial holds NaN, and
+rows no split saw. CPU: the Triton interpreter (4 splits per round); GPU: the launch a CUDA call uses
+(MERGE_SPLITS)."""
 
 import pytest
 import torch

@@ -419,7 +419,8 @@ div = [["tt.divisibility", 16]]
 head = {"x_ptr": "*bf16", "gmax_ptr": "*fp32", "smax_ptr": "*fp32", "bmax_ptr": "*fp32", "bsum_ptr": "*i64"}
 sig = {**head, "V": "i32", "NG": "i32", "NS": "i32", "NB": "i32"}
 c = {"CH": 2048, "G": 32, "S": 1024, "EMULATE": False}
-src = triton.compiler.ASTSource(K._partials_kernel, sig, constexprs=c, attrs={(i,): div for i in range(len(sig))})
+attrs = {(i,): div for i in range(len(sig))}
+src = triton.compiler.ASTSource(K._partials_kernel, sig, constexprs=c, attrs=attrs)
 opts = {"num_warps": 1, "enable_fp_fusion": False}
 print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"])
 print("//==== select")

@@ -413,8 +413,8 @@ def _wg1(job, sm, cst):
         b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb, cst.MASK_MODE)
         n = gl.maximum(v_end - v_lo, 0)
         for i in gl.static_range(2):
-            _issue_group(job, sm.full_1, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, HALF // 64, HALF // 64, D_C,
-                         PAGED)  # fmt: skip
+            _issue_group(job, sm.full_1, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, HALF // 64, HALF // 64,
+                         D_C, PAGED)  # fmt: skip
         acc = gl.zeros([BM, HALF], gl.float32, o_layout)
         for i in range(n):
             buf = g % 2
@@ -569,8 +569,8 @@ def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.
     nt, per, units = launch.host[:3] if launch.host else (0, 0, 0)
     _attention_kernel[(launch.programs,)](
         q, cache_desc(kv_cache), p.seqlens, p.table, p.mask.tensor, out, lse, launch.part, launch.plse,
-        launch.sched, nt, per, units, p.t, p.h, p.rows, launch.blocks, p.qk_scale, kv_cache.shape[1], page_size,
-        q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
+        launch.sched, nt, per, units, p.t, p.h, p.rows, launch.blocks, p.qk_scale, kv_cache.shape[1],
+        page_size, q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
         D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode, SCHED_ON_DEVICE=launch.host is None,
         num_warps=4,
     )  # fmt: skip

@@ -7,8 +7,9 @@ Two layouts, one fold:
   2c for the first row block it meets and 2c + 1 for its last, each [BM, d_c] (plse [BM]); a row
   block is cut iff a program boundary falls strictly inside it, and then its pieces are the slots of
   the programs that met it. At most min(row blocks, programs - 1) row blocks are cut (fewer tiles
-  per program than per row block needs fewer row blocks than programs), which sizes the grid. The schedule (NT tiles per row block, PER tiles per program, units) is
-  read from the device, so the merge needs no host value of the lengths.
+  per program than per row block needs fewer row blocks than programs), which sizes the grid. The
+  schedule (NT tiles per row block, PER tiles per program, units) is read from the device, so the
+  merge needs no host value of the lengths.
 Pieces are read BLOCK_S at a time, each group's lse and partials in one round of loads, folded in
 online. A piece that saw nothing has lse -inf; its weight 0 is applied with a select, so NaN in its
 (unwritten) partial cannot leak.

@@ -86,5 +86,5 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rmsnorm_kernel[(rows.shape[0],)](
             rows, weight, out, d, rows.stride(0), out.stride(0), eps, BLOCK=block, num_warps=warps,
             enable_fp_fusion=False,
-        )
+        )  # fmt: skip
     return out.view(x.shape)
