@@ -82,6 +82,18 @@ if [ "$what" = invariant ]; then
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
+if [ "$what" = sharded ]; then
+  # issue 33, on a machine of 2 or more GPUs (carry .peers): the NCCL multi-process tests, then the 8-rank
+  # bench (--ranks follows the GPUs present); NCCL's variables are left as the machine sets them
+  gpus=$(nvidia-smi -L | wc -l)
+  KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SHT:-200}" python3 -m pytest -q -m gpu \
+    tests/integrations/test_sharded_topk_processes.py tests/bench/test_sharded_topk_bench.py -p no:cacheprovider -rs \
+    2>&1 | tee "$R/sharded_tests.log" | tail -20 || status=1
+  timeout "${T_SHB:-360}" python3 -m kdtree_engine bench sharded-topk --backend nccl --ranks "$gpus" --port .peers/sglang \
+    --out "$R/sharded_topk" 2>&1 | tee "$R/bench_sharded_topk.log" | tail -40 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
 if [ "$what" = e2e ]; then
   timeout "${T_E2E:-400}" python3 -m kdtree_engine bench e2e --out "$R/e2e" 2>&1 | tee "$R/bench_e2e.log" \
     | tail -40 || status=1
