@@ -467,6 +467,15 @@ def test_impl_triton_on_the_cpu_is_refused_without_the_interpreter(capsys, monke
     assert rc == 2 and out == "" and "--impl triton: needs --device cuda" in err
 
 
+@pytest.mark.parametrize("impl", [None, "ref"])
+def test_row_invariant_without_the_kernels_is_refused_before_loading(capsys, impl):
+    argv = ["--demo", "random", "--row-invariant", "--device", "cpu", "--max-new-tokens", "4"]
+    rc, out, err = _run(capsys, *argv, *(["--impl", impl] if impl else []))
+    assert (
+        rc == 2 and out == "" and err.startswith("kdtree-engine generate: --row-invariant: needs the kernels")
+    )
+
+
 def test_compare_explains_a_divergence(capsys):
     from kdtree_engine.engine.cli import _compare
     from kdtree_engine.engine.loop import GenerationOutput

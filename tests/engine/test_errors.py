@@ -175,6 +175,11 @@ def test_cuda_graphs_setting_is_checked():
 def test_row_invariant_setting_is_checked():
     with pytest.raises(ValueError, match="row_invariant: expected True or False"):
         GenerationConfig(max_new_tokens=4, row_invariant="yes")
+    target, drafter = tiny_target(0), tiny_drafter(0, block_size=4)
+    for impl in ("ref", None):  # None on the CPU is the reference
+        config = GenerationConfig(max_new_tokens=4, method="ddtree", budget=4, impl=impl, row_invariant=True)
+        with pytest.raises(ValueError, match="row_invariant: needs a kernel impl"):
+            generate(target, drafter, [[1, 2, 3]], config)
 
 
 def test_limits_are_checked_before_any_allocation():

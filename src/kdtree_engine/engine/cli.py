@@ -210,10 +210,17 @@ def _check_device(name: str) -> None:
         raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
 
 
-def _check_impl_device(impl: str | None, device: str) -> None:
-    """Triton kernels need a CUDA device (or the interpreter, TRITON_INTERPRET=1, as the tests use)."""
-    if kernels_unavailable(impl, "cuda" if device.startswith("cuda") else "cpu"):
+def _check_impl_device(impl: str | None, device: str, row_invariant: bool = False) -> None:
+    """Triton kernels need a CUDA device (or the interpreter, TRITON_INTERPRET=1, as the tests use);
+    --row-invariant needs the kernels (checked here, before anything loads)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    if kernels_unavailable(impl, kind):
         raise ValueError(f"--impl {impl}: needs --device cuda (a CUDA GPU); use --impl ref on the CPU")
+    if row_invariant and (impl == "ref" or (impl is None and kind == "cpu")):
+        raise ValueError(
+            "--row-invariant: needs the kernels (--device cuda, or --impl triton with the Triton "
+            "interpreter); the reference ops are not row-invariant"
+        )
 
 
 def _parse_ids(flag: str, text: str) -> list[int]:
@@ -372,7 +379,7 @@ def _checkpoint_session(args, config: GenerationConfig, methods: list[str], intr
 def _load(args) -> _Session:
     """Checks every argument that needs no file first, then the demo's or the checkpoints' session."""
     _check_device(args.device)
-    _check_impl_device(args.impl, args.device)
+    _check_impl_device(args.impl, args.device, args.row_invariant)
     config = _config(args)  # bad flags fail here, before any file is read
     methods = _methods(args)
     demo = args.demo or ("kimi-nano" if args.model is None and args.drafter is None else None)

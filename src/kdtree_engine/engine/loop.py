@@ -472,6 +472,16 @@ def _use_graphs(run: _Run, device: torch.device) -> bool:
     return possible if wanted is None else wanted
 
 
+def _check_row_invariant(run: _Run, device: torch.device) -> None:
+    """config.row_invariant needs the kernels: the reference ops (cuBLAS, torch's matmuls on the CPU) give
+    a row other bits at other batch and tree sizes, so the promise would silently not hold."""
+    if run.config.row_invariant and resolve_impl(run.impl, device) != "triton":
+        raise ValueError(
+            "row_invariant: needs a kernel impl ('triton', 'hopper', or None on CUDA); the reference ops "
+            f"are not row-invariant (impl {run.impl!r} on {device.type})"
+        )
+
+
 class _HostCopy:
     """The committed counts and tokens of the rounds in flight, one device-to-host copy per round into
     its own pinned slot (two slots: the round being read and the one enqueued ahead of it), each
@@ -791,6 +801,7 @@ class Runner:
                    noise_seed=self.config.seed % 2**64, limit=limit, max_len=self.sizes.max_len, reqs=reqs,
                    stats=stats, timer=timer)  # fmt: skip
         _use_graphs(run, self.device)  # a ValueError now rather than after the prefill
+        _check_row_invariant(run, self.device)
         t0 = timer.now()
         with torch.inference_mode():
             self._state = _prefill(run, prompts, self._state)
