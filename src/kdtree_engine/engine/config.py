@@ -47,7 +47,8 @@ class GenerationConfig:
         replay it; None (default) does so on CUDA with a kernel impl, False runs every round eagerly
         (same tokens), True requires a CUDA target and a kernel impl.
     row_invariant: the target computes every token's row with an order that does not depend on the
-        rest of its forward (kernel impls; the model's `row_invariant`): greedy DDTree and DFlash then
+        rest of its forward (the forward's `row_invariant`; kernel impls only, generate() refuses it on
+        the reference ops): greedy DDTree and DFlash then
         give the tokens of greedy autoregressive decoding bit for bit in any dtype, and a request the
         tokens it gets alone. Off by default until its cost is measured (issue 32).
     """
