@@ -13,6 +13,35 @@ import pytest
 
 MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 
+# The start of a compile script: build(fn, sig, cst, warps, stages) compiles a kernel for sm_90 and
+# returns its shared memory, local (spilled) bytes and registers per thread; i32(*names) types ints.
+BUILD = r"""
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def build(fn, sig, cst, warps=4, stages=3):
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    sig = dict(sig, **{n: "constexpr" for n in cst})
+    kernel = triton.compile(ASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"]); f.flush()
+        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
+                             capture_output=True, text=True, check=True).stdout
+    return {"shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
+            "regs": int(re.search(r"REG:(\d+)", res).group(1))}
+
+
+def i32(*names):
+    return {n: "i32" for n in names}
+"""
+
 
 def run_compile_script(script: str) -> dict:
     """The JSON object that `script` prints on its last line, run in a fresh interpreter with the Triton

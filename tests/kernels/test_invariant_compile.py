@@ -7,36 +7,13 @@ Every kernel builds, fits the shared memory and spills no register."""
 from __future__ import annotations
 
 import pytest
-from tests.kernels.offline_compile import MAX_SHARED, run_compile_script
+from tests.kernels.offline_compile import BUILD, MAX_SHARED, run_compile_script
 
-COMPILE = r"""
-import json, os, re, subprocess, tempfile
+COMPILE = (
+    BUILD
+    + r"""
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kdtree_engine.kernels import linear, mla_attention_triton as att
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def build(fn, sig, cst, warps=4, stages=3):
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-    sig = dict(sig, **{n: "constexpr" for n in cst})
-    kernel = triton.compile(ASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
-    return {"shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
-            "regs": int(re.search(r"REG:(\d+)", res).group(1))}
-
-
-def i32(*names):
-    return {n: "i32" for n in names}
-
 
 found = {}
 LINEAR_INTS = ("M", "N", "K", "stride_xb", "stride_xm", "stride_wb", "stride_wn", "stride_wk", "stride_yb",
@@ -68,6 +45,7 @@ for mode, vis in ((0, "*u8"), (1, "*i64"), (2, "*i64")):
             found[key] = build(att._split_kv_kernel, sig, cst, cfg.num_warps, cfg.num_stages)
 print(json.dumps(found))
 """
+)
 
 
 @pytest.fixture(scope="module")

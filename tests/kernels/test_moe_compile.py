@@ -8,35 +8,12 @@ wrappers choose: every kernel builds and spills no register."""
 from __future__ import annotations
 
 import pytest
-from tests.kernels.offline_compile import MAX_SHARED, run_compile_script
+from tests.kernels.offline_compile import BUILD, MAX_SHARED, run_compile_script
 
-COMPILE = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+COMPILE = (
+    BUILD
+    + r"""
 from kdtree_engine.kernels import moe, moe_router as router
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def build(fn, sig, cst, warps=4, stages=3):
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-    sig = dict(sig, **{n: "constexpr" for n in cst})
-    kernel = triton.compile(ASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
-    return {"shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
-            "regs": int(re.search(r"REG:(\d+)", res).group(1))}
-
-
-def i32(*names):
-    return {n: "i32" for n in names}
-
 
 found = {}
 sig = {"ids_ptr": "*i64", "order_ptr": "*i64", "bounds_ptr": "*i32", "tile_expert_ptr": "*i32",
@@ -80,6 +57,7 @@ for e, groups, keep, k in ((384, 1, 1, 8), (256, 8, 4, 8), (32, 1, 1, 6), (16, 4
     found[f"route-e{e}"] = build(router._route_kernel, sig, cst, warps=router.num_warps(gp * sp))
 print(json.dumps(found))
 """
+)
 
 
 @pytest.fixture(scope="module")
