@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from kdtree_engine.bench.kimi_routing import ExpertGrid
+from kdtree_engine.bench.kimi_routing import ExpertGrid, local_ids
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model import rope
 from kdtree_engine.model.config import ModelConfig
@@ -187,9 +187,7 @@ class MoEShard(nn.Module):
 
     def local(self, ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's view (its experts from 0, the others -1), on the device."""
-        first = self.rank * self.grid.per_rank
-        local = ids - first
-        return torch.where((local >= 0) & (local < self.grid.per_rank), local, -1)
+        return local_ids(ids, self.grid, self.rank)
 
     def forward(
         self,

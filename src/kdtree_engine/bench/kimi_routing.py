@@ -108,7 +108,7 @@ def route(grid: ExpertGrid, batch: int, tokens: int, routing: str, seed: int = 0
 def local_ids(ids: torch.Tensor, grid: ExpertGrid, rank: int) -> torch.Tensor:
     """The ids as `rank` holds the experts: its own renumbered 0 .. E/ranks - 1, every other one -1."""
     local = ids - rank * grid.per_rank
-    return torch.where((local >= 0) & (local < grid.per_rank), local, torch.full_like(ids, -1))
+    return torch.where((local >= 0) & (local < grid.per_rank), local, -1)
 
 
 def rank_load(ids: torch.Tensor, grid: ExpertGrid, rank: int) -> tuple[int, int]:

@@ -33,7 +33,7 @@ from kdtree_engine.engine.memory import check_memory_before_loading, clamp_note,
 from kdtree_engine.engine.stats import round_cost
 from kdtree_engine.engine.text import TextStream
 from kdtree_engine.engine.tokenizer import Tokenizer, load_tokenizer
-from kdtree_engine.impl import IMPLS, kernels_unavailable
+from kdtree_engine.impl import IMPLS, kernels_unavailable, resolve_impl
 from kdtree_engine.train.options import add_config_arguments, config_from_args
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,7 +216,7 @@ def _check_impl_device(impl: str | None, device: str, row_invariant: bool = Fals
     kind = "cuda" if device.startswith("cuda") else "cpu"
     if kernels_unavailable(impl, kind):
         raise ValueError(f"--impl {impl}: needs --device cuda (a CUDA GPU); use --impl ref on the CPU")
-    if row_invariant and (impl == "ref" or (impl is None and kind == "cpu")):
+    if row_invariant and resolve_impl(impl, torch.device(kind)) != "triton":
         raise ValueError(
             "--row-invariant: needs the kernels (--device cuda, or --impl triton with the Triton "
             "interpreter); the reference ops are not row-invariant"
