@@ -142,9 +142,8 @@ def _tile_map_kernel(ids_ptr, order_ptr, bounds_ptr, tile_expert_ptr, tile_row_p
                      BLOCK_M: tl.constexpr):  # fmt: skip
     """One program. counts[e] = #(ids == e) over the NA assignments; bounds[e] = the first sorted row
     of expert e (bounds[E] = the assignments held here, NA without -1 ids); order by the counting sort;
-    expert e's tiles are tile_start[e] + j,
-    j < cdiv(counts[e], BLOCK_M), with first sorted row bounds[e] + j BLOCK_M; tiles from the total
-    to T get expert E (idle) and row 0."""
+    expert e's tiles are tile_start[e] + j, j < cdiv(counts[e], BLOCK_M), with first sorted row
+    bounds[e] + j BLOCK_M; tiles from the total to T get expert E (idle) and row 0."""
     ex = tl.arange(0, EP)
     counts = tl.zeros([EP], tl.int32)
     for c0 in range(0, NA, CHUNK):
@@ -288,9 +287,9 @@ def tile_map(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [n, k] int64 in -1..E-1 -> (order [n k] int64: the assignment at each sorted row, stable by
     expert, rows from bounds[E] on unwritten; bounds [E + 1] int32: expert e's sorted rows are bounds[e]
-    .. bounds[e + 1] - 1; tile_expert
-    [T] int32: each tile's expert, E when idle; tile_row [T] int32: each tile's first sorted row, 0 when
-    idle), T = max_tiles(n k, E, block_m): equal to ref.moe.tile_map_ref. One launch, no host sync."""
+    .. bounds[e + 1] - 1; tile_expert [T] int32: each tile's expert, E when idle; tile_row [T] int32:
+    each tile's first sorted row, 0 when idle), T = max_tiles(n k, E, block_m): equal to
+    ref.moe.tile_map_ref. One launch, no host sync."""
     flat = ids.reshape(-1)
     n_assign, dev = flat.numel(), ids.device
     n_tiles = max_tiles(n_assign, n_experts, block_m)
