@@ -19,17 +19,14 @@ tokens committed per round / round time.
 
 Collectives follow the alpha-beta model `Collectives`: latency + bytes moved per rank / bus bandwidth
 (2 (r - 1) / r of the message for an all-reduce, (r - 1) / r for an all-gather). The defaults are
-published figures, not measured here: alpha = 15 us, NCCL's own cost model for a ring LL all-reduce
-over 8 NVLink GPUs (base latency 6.6 us + 0.6 us per step, 14 steps; `src/graph/tuning.cc`, quoted in
-NVIDIA/nccl issue #1334), and 460 GB/s bus bandwidth, nccl-tests' large-message all-reduce on 8 H100
-SXM over NVLink 4 (the H200 has the same NVLink); SGLang's one-shot custom all-reduce is faster for
-small messages, so the defaults err on the slow side.
+published figures, not measured here; docs/kimi-scale.md names their sources. SGLang's one-shot custom
+all-reduce is faster for small messages, so the defaults err on the slow side.
 
-Accepted lengths (`Acceptance`): kimi-nano's own, measured (H200, bf16, batch 1, greedy, block 16), and
-the published Kimi-K2.5-DFlash chain lengths (3.7 on MT-Bench, 5.5 on Math500, block 8) with DDTree's
-gain over the chain at each budget taken from kimi-nano, capped at the block size.
+Accepted lengths (`Acceptance`): kimi-nano's own, measured, and the published Kimi-K2.5-DFlash chain
+lengths (MT-Bench, Math500, block 8) with DDTree's gain over the chain at each budget taken from
+kimi-nano, capped at the block size (sources: docs/kimi-scale.md).
 
-The SGLang port's round (`port_round`) is DDTree(B) with its tree path in place of ours and its verify
+The SGLang port's round (`port_round_us`) is DDTree(B) with its tree path in place of ours and its verify
 attention (SGLang's Triton extend kernel with the port's dense mask, and its per-forward mask compile
 and metadata) in place of our kernel's: our measured attention share plus L (port kernel - our kernel)
 plus the difference of the per-forward work, all from the same run's `bench sglang` points.
@@ -81,7 +78,7 @@ class Acceptance:
 
 NANO = Acceptance(
     "kimi-nano",
-    "measured: kimi-nano and its DFlash drafter, H200 bf16, batch 1, greedy, block 16 (docs/kimi-nano.md)",
+    "measured: kimi-nano and its DFlash drafter, bf16, batch 1, greedy, block 16 (docs/kimi-nano.md)",
     3.95,
     {8: 4.37, 16: 4.85, 32: 5.27, 64: 5.80},
 )

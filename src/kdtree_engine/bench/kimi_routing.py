@@ -8,7 +8,7 @@ tokens chose, so its MoE cost follows the distinct experts touched (bench/expert
   A request's n tokens then touch U(n) = E (1 - (1 - k/E)^n) experts on average.
 - "nano": the tokens of one request share experts as kimi-nano's verify forwards do. kimi-nano's
   measured distinct experts per layer against uniform's, at the same n (docs/kimi-nano.md, "Experts
-  touched by a verify forward": H200, batch 1, greedy), is carried over as a ratio r(n): a request
+  touched by a verify forward"), is carried over as a ratio r(n): a request
   touches D(n) = r(n) U(n) of Kimi-K2's experts. It is drawn so: the request gets a pool of P experts
   drawn uniformly, and each of its tokens picks k distinct experts of the pool uniformly; P is the
   smallest pool whose expected touch P (1 - (1 - k/P)^n) reaches D(n). r(n) is interpolated linearly
@@ -33,7 +33,7 @@ from kdtree_engine.bench.experts import uniform_touched
 
 ROUTINGS = ("uniform", "nano")
 
-# kimi-nano, H200 bf16, batch 1, greedy: (tokens n per verify forward, measured / uniform distinct experts)
+# kimi-nano (docs/kimi-nano.md): (tokens n per verify forward, measured / uniform distinct experts)
 NANO_TOUCH_RATIO = ((1, 1.00), (9, 0.83), (16, 0.86), (17, 0.85), (33, 0.91), (65, 0.95))
 
 
