@@ -15,6 +15,9 @@ MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KB
 
 # The start of a compile script: build(fn, sig, cst, warps, stages) compiles a kernel for sm_90 and
 # returns its shared memory, local (spilled) bytes and registers per thread; i32(*names) types ints.
+# Pointers are 16-byte aligned and every int the kernel lets Triton specialize is a multiple of 16, as
+# a launch at realistic sizes marks them (the marks decide load widths and software pipelining, hence
+# the shared memory); launch_compile.py compiles kernels exactly as the package launches them.
 BUILD = r"""
 import json, os, re, subprocess, tempfile
 import triton
@@ -25,8 +28,9 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 
 def build(fn, sig, cst, warps=4, stages=3):
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+    names, loose = list(sig), set(getattr(fn, "do_not_specialize", ()))
+    marked = [n for n in names if n.endswith("_ptr") or (sig[n] == "i32" and n not in loose)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in marked}
     sig = dict(sig, **{n: "constexpr" for n in cst})
     kernel = triton.compile(ASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})

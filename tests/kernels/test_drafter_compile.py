@@ -6,38 +6,15 @@ float32, with the constexprs the launch wrappers choose, and spills no register.
 from __future__ import annotations
 
 import pytest
-from tests.kernels.offline_compile import MAX_SHARED, run_compile_script
+from tests.kernels.offline_compile import BUILD, MAX_SHARED, run_compile_script
 
-COMPILE = r"""
-import json, os, re, subprocess, tempfile
+COMPILE = (
+    BUILD
+    + r"""
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kdtree_engine.kernels import drafter_attention as attn, drafter_mlp as mlp, drafter_qkv as qkv
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 DT = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def build(fn, sig, cst):
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-    warps = cst.pop("num_warps", 4)
-    sig = dict(sig, **{n: "constexpr" for n in cst})
-    kernel = triton.compile(ASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
-    return {"shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1))}
-
-
-def i32(*names):
-    return {n: "i32" for n in names}
-
-
 found = {}
 for dt in DT:
     ptr = "*" + dt
@@ -46,8 +23,9 @@ for dt in DT:
     sig.update(i32("stride_qb", "stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bb",
                    "stride_bt", "stride_bh", "stride_ob", "stride_ot", "stride_oh"))
     for t, h, g, d in ((16, 8, 4, 32), (1, 4, 4, 32), (16, 32, 8, 128), (1, 32, 8, 128)):
-        cst = attn.launch_constants(t, h, g, d, DT[dt])
-        found[f"attention-{dt}-t{t}-h{h}-g{g}-d{d}"] = build(attn._drafter_attention_kernel, sig, cst)
+        cst = dict(attn.launch_constants(t, h, g, d, DT[dt]), ALIGN=16 // DT[dt].itemsize)
+        warps = cst.pop("num_warps")
+        found[f"attention-{dt}-t{t}-h{h}-g{g}-d{d}"] = build(attn._drafter_attention_kernel, sig, cst, warps)
     sig = {"qkv_ptr": ptr, "qw_ptr": ptr, "kw_ptr": ptr, "start_ptr": "*i64", "inv_ptr": "*fp32"}
     sig.update(i32("T", "stride_b", "stride_t", "stride_h"), eps="fp32")
     for h, g, d in ((8, 4, 32), (32, 8, 128), (8, 2, 24)):
@@ -65,6 +43,7 @@ for dt in DT:
     found[f"silu_mul-{dt}"] = build(mlp._silu_mul_kernel, sig, {"BLOCK": mlp.BLOCK})
 print(json.dumps(found))
 """
+)
 
 
 @pytest.fixture(scope="module")

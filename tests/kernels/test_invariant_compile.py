@@ -25,7 +25,7 @@ for dt, size in (("bf16", 2), ("fp32", 4)):
         sig = {"x_ptr": ptr, "w_ptr": ptr, "b_ptr": ptr, "y_ptr": ptr, **i32(*LINEAR_INTS)}
         for bias in (True, False):
             cst = dict(HAS_BIAS=bias, BLOCK_M=linear.BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                       PRECISION="ieee")
+                       PRECISION="ieee", ALIGN=16 // size)
             key = f"linear-{dt}-{n}x{k}-bias{int(bias)}"
             found[key] = build(linear._linear_kernel, sig, cst, cfg.num_warps, cfg.num_stages)
 STRIDES = ("page_size", "stride_qb", "stride_kb", "stride_ks", "stride_btb", "stride_vb", "stride_vi",
@@ -40,7 +40,7 @@ for mode, vis in ((0, "*u8"), (1, "*i64"), (2, "*i64")):
                    "anc_ptr": table, "bt_ptr": "*i32", "out_ptr": "*fp32", "lse_ptr": "*fp32",
                    **i32("T", "H", "M", "num_splits"), "qk_scale": "fp32", **i32(*STRIDES)}
             cst = dict(D_C=512, D_R=64, BLOCK_DC=512, BLOCK_DR=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                       PAGED=paged, MASK_MODE=mode, DOT_PREC="tf32", CHUNK=chunk)
+                       PAGED=paged, MASK_MODE=mode, DOT_PREC="tf32", CHUNK=chunk, OUT_ALIGN=4)
             key = f"attention-mode{mode}-chunk{chunk}-paged{int(paged)}"
             found[key] = build(att._split_kv_kernel, sig, cst, cfg.num_warps, cfg.num_stages)
 print(json.dumps(found))

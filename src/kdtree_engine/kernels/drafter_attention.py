@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels._align import aligned, stride_align
 
 BLOCK_N = 64
 LOG2E = 1.4426950408889634
@@ -46,10 +47,12 @@ def _drafter_attention_kernel(
     stride_qb, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
     stride_bb, stride_bt, stride_bh, stride_ob, stride_ot, stride_oh,
     REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     """q / out [B, T, h, D], cache k / v [B, S, g, D] (same strides), block k / v [B, T, g, D] (same
-    strides); last dims contiguous. Program (b, kv head)."""
+    strides); last dims contiguous; the batch strides multiples of ALIGN. Program (b, kv head)."""
+    stride_qb, stride_cb = aligned(stride_qb, ALIGN), aligned(stride_cb, ALIGN)
+    stride_bb, stride_ob = aligned(stride_bb, ALIGN), aligned(stride_ob, ALIGN)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -101,6 +104,7 @@ def drafter_attention(
         q, cache_k, cache_v, new_len, k_blk, v_blk, out, t, LOG2E / math.sqrt(d),
         q.stride(0), q.stride(1), q.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        ALIGN=stride_align(q.element_size(), q.stride(0), cache_k.stride(0), k_blk.stride(0), out.stride(0)),
         **launch_constants(t, h, g, d, q.dtype),
     )  # fmt: skip
     return out

@@ -20,7 +20,9 @@ Speed. Decode and verify sizes (M up to a few hundred) are bound by the weight r
 a BLOCK_N slice of W once, and the programs of one slice follow one another in launch order (the row
 tile varies fastest), so the row tiles of a slice share it through the L2 cache. Large M (prefill) runs
 16-row tiles where cuBLAS would take 128 or more: slower, the price of the invariance, measured against
-cuBLAS in the GPU tests' companion benchmark before the model uses it.
+cuBLAS in the GPU tests' companion benchmark before the model uses it. The row strides stay out of
+Triton's specialization and come with their alignment (kernels/_align.py), so the x tiles are copied
+asynchronously, 16 bytes at a time, like the weight tiles.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels._align import aligned, stride_align
 from kdtree_engine.ref.linear import check_linear_args, linear_ref
 
 BLOCK_M = 16
@@ -59,10 +62,12 @@ def launch_config(n: int, k: int, itemsize: int) -> Launch:
 @triton.jit(do_not_specialize=["M", "stride_xb", "stride_xm", "stride_yb", "stride_ym"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xb, stride_xm, stride_wb, stride_wn, stride_wk,
                    stride_yb, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
     """Program (row tile, column block, batch): y[batch, rows, cols] = x[batch, rows] W[batch, cols]^T
     (+ b[cols]), accumulated in float32 over K in BLOCK_K steps, rounded once. x and y have unit stride
-    along K and N; W any strides."""
+    along K and N, their row and batch strides multiples of ALIGN; W any strides."""
+    stride_xb, stride_xm = aligned(stride_xb, ALIGN), aligned(stride_xm, ALIGN)
+    stride_yb, stride_ym = aligned(stride_yb, ALIGN), aligned(stride_ym, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     batch = tl.program_id(2).to(tl.int64)
@@ -92,11 +97,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         return
     cfg = launch_config(n, k, x.element_size())
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), nb)
+    read = (x.stride(1), y.stride(1)) + ((x.stride(0), y.stride(0)) if nb > 1 else ())  # one batch: unread
     _linear_kernel[grid](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), y.stride(1),
         HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PRECISION="ieee", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PRECISION="ieee", ALIGN=stride_align(x.element_size(), *read), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
 
 

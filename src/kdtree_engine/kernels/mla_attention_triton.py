@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels._align import aligned, stride_align
 from kdtree_engine.kernels.mla_attention_args import MASK_BITS, MASK_CAUSAL, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_splits
 from kdtree_engine.ref.mla_attention import bits_to_visibility
@@ -209,9 +210,12 @@ def _split_kv_kernel(
     MASK_MODE: tl.constexpr,
     DOT_PREC: tl.constexpr,
     CHUNK: tl.constexpr,
+    OUT_ALIGN: tl.constexpr,
 ):
     """CHUNK 0: each request's range cut into num_splits chunks sized from its length; CHUNK > 0: the
-    row-invariant mode (module docstring), splits of CHUNK positions."""
+    row-invariant mode (module docstring), splits of CHUNK positions. stride_ob and stride_os are
+    multiples of OUT_ALIGN."""
+    stride_ob, stride_os = aligned(stride_ob, OUT_ALIGN), aligned(stride_os, OUT_ALIGN)
     pid_m, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     INVARIANT: tl.constexpr = CHUNK > 0
     TREE_TAIL: tl.constexpr = INVARIANT and MASK_MODE != 2
@@ -289,13 +293,16 @@ def _split_kv_kernel(
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + rows, lse, mask=row_ok)
 
 
-def pick_config(dtype: torch.dtype, rows: int, d_c: int) -> Config:
+def pick_config(dtype: torch.dtype, rows: int, d_c: int, paged: bool = False) -> Config:
     """Launch shape by dtype and rows per request (t*h): wide M tiles feed the tensor cores when rows
-    are many; narrow ones waste less when rows are few (decode); float32 keeps exact fp32 products."""
+    are many; narrow ones waste less when rows are few (decode); float32 keeps exact fp32 products.
+    A paged cache's tile address comes from a load of the block table, and Triton's pipeliner spends
+    stages on that chain: with 3 stages the tile got a single buffer, copied only after the previous
+    tile was used (no copy in flight); 5 give it two, as a contiguous cache gets from 3."""
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:
-        return Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
+        return Config(block_m=16, block_n=64, num_warps=4, num_stages=5 if paged else 3)
     return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
 
 
@@ -367,7 +374,7 @@ def plan(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, slo
         part = torch.empty(p.b, splits, p.rows, p.d_v, dtype=torch.float32, device=device)
         plse = torch.empty(p.b, splits, p.rows, dtype=torch.float32, device=device)
         return Launch(cfg, splits, part, plse, INVARIANT_CHUNK, ancestor_slots(p))
-    cfg = config or pick_config(dtype, p.rows, p.d_v)
+    cfg = config or pick_config(dtype, p.rows, p.d_v, p.paged)
     m_blocks = triton.cdiv(p.rows, cfg.block_m)
     splits = num_splits or pick_num_splits(p.b, m_blocks, max_len, cfg, p.d_v, p.d, slots)
     if splits == 1:
@@ -408,5 +415,6 @@ def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.
         D_C=d_c, D_R=p.d - d_c, BLOCK_DC=triton.next_power_of_2(d_c),
         BLOCK_DR=max(16, triton.next_power_of_2(max(p.d - d_c, 1))), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         PAGED=p.paged, MASK_MODE=p.mask.mode, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        CHUNK=launch.chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHUNK=launch.chunk, OUT_ALIGN=stride_align(part.element_size(), sob, sos), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
