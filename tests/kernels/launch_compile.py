@@ -118,6 +118,75 @@ def aligned(module):
     return module
 """
 
+# The shapes that matter, each compiled as launched (test_launch_compile.py, scripts/compile_audit.py):
+# one GPU's share of Kimi-K2 under 8-way tensor parallelism (hidden 7168, 8 MLA heads on a 512 + 64
+# latent cache, a 1024-token prefix; 2 layers and 8 experts, which changes no kernel) at decode and at a
+# 33-node verify, default and row-invariant; its DFlash drafter's share (8 query heads and 1 KV head of
+# 128); the shipped kimi-nano pair; the attention at decode (h 8, t 1) and at a 9-node tree (h 64) on a
+# contiguous cache and on pages of 64 and of 1 (SGLang's). bf16, batch 2. Prints {scenario: launched()}.
+SCENARIOS = r"""
+from types import SimpleNamespace
+from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH
+from kdtree_engine.attention import plan_attention
+from kdtree_engine.bench.forward_cost import draft_call, forward_call
+from kdtree_engine.bench.kimi_layer import KIMI_K2, Shard, drafter_shard
+from kdtree_engine.drafter import load_drafter
+from kdtree_engine.model.loader import load_model
+from kdtree_engine.model.testing import random_model
+
+bf = torch.bfloat16
+found = {}
+torch.manual_seed(0)
+with torch.no_grad():
+    kimi = KIMI_K2.replace(num_hidden_layers=2, num_attention_heads=8, n_routed_experts=8, vocab_size=4096,
+                           intermediate_size=2048, moe_intermediate_size=256)
+    target = aligned(random_model(kimi, dtype=bf))
+    for t in (1, 33):
+        forward_call(target, 2, t, 1024, "triton")()
+        found[f"kimi t={t}"] = launched()
+        cache = target.new_cache(2, 1024 + t)
+        cache.seqlens.fill_(1024)
+        target(torch.zeros(2, t, dtype=torch.long), cache, impl="triton", validate=False, row_invariant=True)
+        found[f"kimi row-invariant t={t}"] = launched()
+    drafter, stand_in = drafter_shard(Shard(), 1)
+    drafter = aligned(drafter.to(bf))
+    stand_in = SimpleNamespace(embed_tokens=aligned(stand_in.embed_tokens.to(bf)),
+                               lm_head=aligned(stand_in.lm_head.to(bf)))
+    b, block = 2, drafter.block_size
+    cache = drafter.new_cache(b, 1024 + 2 * block)
+    cache.seqlens.fill_(1024)
+    lens = torch.full((b,), 3)
+    context = torch.zeros(b, block, drafter.fc.in_features, dtype=bf)
+    drafter.draft(stand_in, context, lens, torch.zeros(b, dtype=torch.long), cache.seqlens + lens, cache,
+                  impl="triton")
+    found["kimi drafter"] = launched()
+
+    nano = aligned(load_model(KIMI_NANO, dtype=bf))
+    nano_drafter = aligned(load_drafter(KIMI_NANO_DFLASH, dtype=bf))
+    for t in (1, 33):
+        forward_call(nano, 2, t, 256, "triton")()
+        found[f"nano t={t}"] = launched()
+    draft_call(nano_drafter, nano, 2, 256, "triton")[1]()
+    found["nano drafter"] = launched()
+
+    s = 4096
+    for h, t in ((8, 1), (64, 9)):
+        q = torch.zeros(2, t, h, 576, dtype=bf)
+        for page in (0, 64, 1):
+            table = None
+            if page:
+                kv = torch.zeros(2 * s // page, page, 576, dtype=bf)
+                table = torch.arange(2 * s // page, dtype=torch.int32).view(2, -1)
+            else:
+                kv = torch.zeros(2, s, 576, dtype=bf)
+            lengths = torch.full((2,), s, dtype=torch.int64)
+            plan = plan_attention(q, kv, lengths, softmax_scale=0.1, d_v=512, block_table=table,
+                                  impl="triton", validate=False)
+            plan.run(q, kv)
+            found[f"attention h={h} t={t} page={page}"] = launched()
+print(json.dumps(found))
+"""
+
 
 def run_launch_script(body: str) -> dict:
     """The JSON object that PRELUDE + body prints last (skips where Triton ships no ptxas)."""

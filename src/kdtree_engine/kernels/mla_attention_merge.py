@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels._align import aligned, stride_align
 
 MERGE_SPLITS = 32  # the most pieces per round of loads on a GPU (a warp per 4 of them)
 
@@ -52,7 +53,9 @@ _SPLIT_RUNTIME = ["M", "num_splits", "stride_pb", "stride_ps", "stride_lb", "str
 @triton.jit(do_not_specialize=_SPLIT_RUNTIME)
 def _merge_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, M, num_splits, stride_pb, stride_ps, stride_lb,
                          stride_ls, D_C: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_S: tl.constexpr):  # fmt: skip
+                         BLOCK_S: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+    """Program (r, b): rows r * BLOCK_R .. of request b; stride_pb and stride_ps multiples of ALIGN."""
+    stride_pb, stride_ps = aligned(stride_pb, ALIGN), aligned(stride_ps, ALIGN)
     pid, b = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < M
@@ -139,7 +142,8 @@ def merge_splits(
     block_r, block_s, warps = _round_shape(MERGE_SPLITS if fixed_rounds else splits, part.is_cuda)
     _merge_splits_kernel[(triton.cdiv(rows, block_r), b)](
         part, plse, out, lse, rows, splits, part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
-        D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BLOCK_R=block_r, BLOCK_S=block_s, num_warps=warps,
+        D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BLOCK_R=block_r, BLOCK_S=block_s,
+        ALIGN=stride_align(part.element_size(), part.stride(0), part.stride(1)), num_warps=warps,
     )  # fmt: skip
 
 
