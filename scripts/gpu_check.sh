@@ -12,7 +12,8 @@
 # and of `bench kimi`, the row-invariant GEMM against cuBLAS (scripts/bench_linear.py, issue 32), then `kdtree-engine bench kimi` with its layer,
 # drafter and tree sections (issue 34); "kimi-port" adds the port section (the SGLang port's tree
 # path and verify attention; needs .peers/sglang) to the kimi_bench.json of an earlier "kimi" call, carried
-# as out/kimi_bench.json (KIMI_JSON overrides).
+# as out/kimi_bench.json (KIMI_JSON overrides). "tune-attention" runs the GPU tests of the kernels whose launches
+# changed after the sm_90 compile audit (docs/notes/kernels.md), then scripts/tune_triton_attention.py.
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
 # benchmark, and an SGLang checkout (or just its python/sglang/srt/speculative/ddtree_utils.py) at
 # .peers/sglang adds SGLang's builder.
@@ -59,6 +60,18 @@ if [ "$what" = kimi ]; then
     || status=1
   timeout "${T_KIMI:-400}" python3 -m kdtree_engine bench kimi --sections layer drafter tree --out "$R/kimi" 2>&1 \
     | tee "$R/bench_kimi.log" | tail -80 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = tune-attention ]; then
+  # the GPU tests of the kernels whose launches changed with docs/notes/kernels.md (attention and its merge,
+  # the drafter's attention, the row-invariant projection), then the Triton attention's launch shapes side
+  # by side at decode (scripts/tune_triton_attention.py; issue 29)
+  timeout "${T_KT:-200}" python3 -m pytest -q -m gpu tests/kernels/test_mla_attention.py \
+    tests/kernels/test_mla_attention_merge.py tests/kernels/test_drafter_attention.py tests/kernels/test_linear.py \
+    tests/drafter/test_kernel_path.py -p no:cacheprovider -rs 2>&1 | tee "$R/tune_tests.log" | tail -20 || status=1
+  timeout "${T_TUNE:-360}" python3 scripts/tune_triton_attention.py 2>&1 | tee "$R/tune_triton_attention.log" \
+    | tail -70 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi

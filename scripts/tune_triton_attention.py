@@ -1,0 +1,122 @@
+"""The Triton attention kernel's launch shape tried side by side (issue 29): for each decode-sized problem
+(t * h <= 16, where the Triton kernel serves even on an H200) and each forced `Config` (block_m,
+block_n, warps, stages), the GPU time of one call (bench/timing.time_graph: CUDA-graph replays, the L2
+flushed before each, medians; calls on distinct copies of the cache past 256 MB, as bench attention)
+and the largest difference from the kernel's default launch on the same inputs. The default is what
+`pick_config` chooses; the candidates come from docs/notes/kernels.md (what the sm_90 code of each
+showed: copy buffers and copies in flight). Prints a markdown table, writes $OUT/tune_triton_attention.md
+when OUT is set.
+
+    python scripts/tune_triton_attention.py [--heads 8] [--tokens 1] [--seqlens 8192 32768] \
+        [--batch 1 16] [--page-sizes 0 64 1] [--configs 16,64,4,3 16,32,4,5 16,64,4,5 16,32,4,7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import os
+from pathlib import Path
+
+import torch
+
+from kdtree_engine.bench.attention import D_C, ROTATE_BYTES, make_problem
+from kdtree_engine.bench.plot import markdown_table, utc_stamp
+from kdtree_engine.kernels import mla_attention_triton as triton_attention
+
+DEFAULT_CONFIGS = ("16,64,4,3", "16,32,4,5", "16,64,4,5", "16,32,4,7")
+SCALE = 192**-0.5
+
+
+def parse_config(text: str) -> triton_attention.Config:
+    """'block_m,block_n,warps,stages' -> Config (ValueError naming --configs otherwise)."""
+    try:
+        block_m, block_n, warps, stages = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"--configs: expected block_m,block_n,warps,stages, got {text!r}") from None
+    return triton_attention.Config(block_m, block_n, warps, stages)
+
+
+@contextlib.contextmanager
+def forced(config: triton_attention.Config | None):
+    """Plans made inside take `config` for every call (None: the kernel's own choice)."""
+    chosen = triton_attention.pick_config
+    if config is not None:
+        triton_attention.pick_config = lambda dtype, rows, d_c, paged=False: config
+    try:
+        yield
+    finally:
+        triton_attention.pick_config = chosen
+
+
+def calls(problems: list[dict], config) -> list:
+    """One planned Triton call per problem (plans built with `config` forced, outside any timing)."""
+    from kdtree_engine.attention import plan_attention
+
+    out = []
+    with forced(config):
+        for p in problems:
+            plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=SCALE, d_v=D_C,
+                                  visibility=p["vis"], block_table=p["block_table"],
+                                  impl="triton")  # fmt: skip
+            out.append(lambda plan=plan, p=p: plan.run(p["q"], p["kv"])[0])
+    return out
+
+
+def compare(problems: list[dict], configs: list, timer) -> list[dict]:
+    """Per config (None first: the default): time of one call by `timer(calls)` and the largest
+    difference of the first problem's output from the default's."""
+    base = calls(problems[:1], None)[0]()
+    rows = []
+    for config in [None, *configs]:
+        planned = calls(problems, config)
+        diff = (planned[0]().float() - base.float()).abs().max().item()
+        rows.append({"config": config, "us": timer(planned), "max_diff": diff})
+    return rows
+
+
+def point_rows(b, t, h, s, page, configs, rep_ms, device) -> list[list]:
+    from kdtree_engine.bench.timing import time_graph
+
+    copies = max(1, min(32, -(-ROTATE_BYTES // (b * s * 576 * 2))))
+    problems = [make_problem(b, t, h, s, page, device, seed=i) for i in range(copies)]
+    measured = compare(problems, configs, lambda c: time_graph(c, rep_ms=rep_ms, warmup=1).median_us)
+    default = measured[0]["us"]
+    out = []
+    for r in measured:
+        c = r["config"]
+        name = "default" if c is None else f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}"
+        out.append([h, t, s, b, page or "-", name, f"{r['us']:.1f}", f"{default / r['us']:.2f}x",
+                    f"{r['max_diff']:.2g}"])  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", type=int, nargs="+", default=[8])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[0, 64, 1], help="0: contiguous")
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="m,n,warps,stages each")
+    parser.add_argument("--rep-ms", type=float, default=30)
+    args = parser.parse_args()
+    configs = [parse_config(c) for c in args.configs]
+    device = torch.device("cuda")
+    table = []
+    grid = itertools.product(args.heads, args.tokens, args.seqlens, args.batch, args.page_sizes)
+    for h, t, s, b, page in grid:
+        point = point_rows(b, t, h, s, page, configs, args.rep_ms, device)
+        print(point[0][:5], [r[5:8] for r in point], flush=True)
+        table += point
+    header = ["h", "t", "s", "b", "page", "config", "us", "default / this", "max diff"]
+    text = (f"Triton attention launch shapes, {torch.cuda.get_device_name(device)}, {utc_stamp()}, bf16\n\n"
+            + markdown_table(header, table))  # fmt: skip
+    print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "tune_triton_attention.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""scripts/tune_triton_attention.py on the CPU (the Triton interpreter, a stand-in timer): a forced launch
+shape reaches the plan and is undone after, every candidate is compared with the default on the same
+inputs, and a malformed --configs entry is a ValueError naming it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_triton_attention.py"
+
+
+@pytest.fixture(scope="module")
+def tune():
+    spec = importlib.util.spec_from_file_location("tune_triton_attention", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_config(tune):
+    assert tune.parse_config("16,32,4,5") == tune.triton_attention.Config(16, 32, 4, 5)
+    for bad in ("16,32,4", "a,b,c,d", ""):
+        with pytest.raises(ValueError, match="--configs"):
+            tune.parse_config(bad)
+
+
+def _plan(problem):
+    from kdtree_engine.attention import plan_attention
+
+    p = problem
+    return plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=0.1, d_v=512, visibility=p["vis"],
+                          block_table=p["block_table"], impl="triton")  # fmt: skip
+
+
+def test_forced_config_reaches_the_plan_and_is_undone(tune):
+    from kdtree_engine.bench.attention import make_problem
+
+    problem = make_problem(1, 1, 2, 80, 16, torch.device("cpu"))
+    default = _plan(problem).launch.config
+    wanted = tune.triton_attention.Config(16, 32, 4, 7)
+    with tune.forced(wanted):
+        assert _plan(problem).launch.config == wanted
+    assert _plan(problem).launch.config == default != wanted
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_compare_times_every_candidate_on_the_same_inputs(tune, page):
+    from kdtree_engine.bench.attention import make_problem
+
+    problems = [make_problem(1, 1, 2, 80, page, torch.device("cpu"), seed=i) for i in range(2)]
+    configs = [tune.parse_config("16,32,4,5"), tune.parse_config("16,64,4,5")]
+    timed = []
+    rows = tune.compare(problems, configs, lambda calls: timed.append(len(calls)) or 1.0 + len(timed))
+    assert [r["config"] for r in rows] == [None, *configs]
+    assert timed == [2, 2, 2] and [r["us"] for r in rows] == [2.0, 3.0, 4.0]
+    assert rows[0]["max_diff"] == 0.0
+    assert all(r["max_diff"] < 2e-2 for r in rows)
