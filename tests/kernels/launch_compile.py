@@ -122,8 +122,9 @@ def aligned(module):
 # one GPU's share of Kimi-K2 under 8-way tensor parallelism (hidden 7168, 8 MLA heads on a 512 + 64
 # latent cache, a 1024-token prefix; 2 layers and 8 experts, which changes no kernel) at decode and at a
 # 33-node verify, default and row-invariant; its DFlash drafter's share (8 query heads and 1 KV head of
-# 128); the shipped kimi-nano pair; the attention at decode (h 8, t 1) and at a 9-node tree (h 64) on a
-# contiguous cache and on pages of 64 and of 1 (SGLang's). bf16, batch 2. Prints {scenario: launched()}.
+# 128, an 8k context: cut into splits); the shipped kimi-nano pair; the attention at decode (h 8, t 1)
+# and at a 9-node tree (h 64) on a contiguous cache and on pages of 64 and of 1 (SGLang's). bf16, batch
+# 2. Prints {scenario: launched()}.
 SCENARIOS = r"""
 from types import SimpleNamespace
 from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH
@@ -153,8 +154,8 @@ with torch.no_grad():
     stand_in = SimpleNamespace(embed_tokens=aligned(stand_in.embed_tokens.to(bf)),
                                lm_head=aligned(stand_in.lm_head.to(bf)))
     b, block = 2, drafter.block_size
-    cache = drafter.new_cache(b, 1024 + 2 * block)
-    cache.seqlens.fill_(1024)
+    cache = drafter.new_cache(b, 8192 + 2 * block)  # a context long enough to be cut into splits
+    cache.seqlens.fill_(8192)
     lens = torch.full((b,), 3)
     context = torch.zeros(b, block, drafter.fc.in_features, dtype=bf)
     drafter.draft(stand_in, context, lens, torch.zeros(b, dtype=torch.long), cache.seqlens + lens, cache,

@@ -4,8 +4,10 @@ computes (cache concatenated with the block, heads expanded, SDPA with a mask ov
 
 Fresh random inputs; every cache slot at or past new_len holds NaN (never read). Lengths at 0, 1, the
 key tile (64) +- 1, max_len, ragged across the batch; T = 1 and 16; h = g and h / g = 4; float32
-(1e-5) and bf16 (2e-2: output rounding and bf16 probabilities in P @ V). CPU CI runs the kernel in the
-Triton interpreter; the larger sweep is marked gpu."""
+(1e-5) and bf16 (2e-2: output rounding and bf16 probabilities in P @ V). The context cut into splits
+(forced counts, more splits than tiles included: empty splits add nothing) equals the reference too, and
+`pick_splits` cuts only long contexts on few programs. CPU CI runs the kernel in the Triton
+interpreter; the larger sweep is marked gpu."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdtree_engine.kernels.drafter_attention import BLOCK_N, drafter_attention
+from kdtree_engine.kernels.drafter_attention import BLOCK_N, MAX_SPLITS, drafter_attention, pick_splits
 from kdtree_engine.ref.drafter_attention import drafter_attention as reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -70,6 +72,40 @@ def test_kernel_matches_reference(device, dtype, t, h, g, lens):
     assert_close("out", got, reference(*args), TOL[dtype])
 
 
+@pytest.mark.parametrize("splits", [2, 3, 5])
+@pytest.mark.parametrize("t, h, g", [(16, 8, 4), (1, 4, 4), (3, 8, 2)])
+@pytest.mark.parametrize("lens", [[0], [1], [BLOCK_N + 1], [150], [0, 150, 1, BLOCK_N]], ids=str)
+def test_split_context_matches_reference(device, t, h, g, lens, splits):
+    """Each split streams whole tiles of the context sized from new_len on the device; the last one also
+    takes the block; the partials merge by log-sum-exp. 150 rows in 5 splits: 3 tiles, 2 empty splits."""
+    args = make_inputs(lens, t, h, g, 32, 150, torch.float32, device, seed=sum(lens) + t + h + splits)
+    got = drafter_attention(*args, num_splits=splits)
+    assert got.shape == args[0].shape and got.is_contiguous()
+    assert_close("split", got, reference(*args), TOL[torch.float32])
+
+
+def test_split_bf16_and_graph_lengths(device):
+    """bf16 partials, and the same launch with other lengths (as a graph replay) still right."""
+    q, ck, cv, new_len, kb, vb = make_inputs([20, 140], 16, 8, 4, 32, 150, torch.bfloat16, device, seed=4)
+    ck, cv = ck.nan_to_num(), cv.nan_to_num()
+    assert_close("bf16", drafter_attention(q, ck, cv, new_len, kb, vb, num_splits=3),
+                 reference(q, ck, cv, new_len, kb, vb), TOL[torch.bfloat16])  # fmt: skip
+    new_len.copy_(torch.tensor([140, 0]))
+    assert_close("relen", drafter_attention(q, ck, cv, new_len, kb, vb, num_splits=3),
+                 reference(q, ck, cv, new_len, kb, vb), TOL[torch.bfloat16])  # fmt: skip
+
+
+def test_pick_splits_cuts_long_contexts_on_few_programs():
+    # Kimi-K2.5 drafter share (1 kv head of 128, bf16), 132 multiprocessors: 32k slots stream 16 MB
+    assert pick_splits(1, 1, 32768, 128, 2, 132) == 32  # 512 KB each
+    assert pick_splits(16, 1, 32768, 128, 2, 132) == 9  # one wave of 144 programs
+    assert pick_splits(64, 1, 32768, 128, 2, 132) == 3
+    assert pick_splits(1, 1, 1 << 20, 128, 2, 132) == MAX_SPLITS == 128
+    # kimi-nano (4 kv heads of 32) at its 2048-token limit: 256 KB a head, one launch as before
+    assert pick_splits(1, 4, 2048 + 32, 32, 2, 132) == 1
+    assert pick_splits(200, 1, 32768, 128, 2, 132) == 1  # the batch alone fills the GPU
+
+
 @pytest.mark.parametrize("lens", [[0, 5], [64, 150]], ids=["short", "long"])
 def test_reference_is_the_masked_sdpa_of_the_torch_path(device, lens):
     args = make_inputs(lens, 16, 8, 2, 32, 150, torch.float32, device, seed=7)
@@ -106,6 +142,15 @@ def test_gpu_sweep(dtype, t, h, g, d):
     lens = [0, 1, 63, 64, 65, 200, 1000, 4095, 4096]
     args = make_inputs(lens, t, h, g, d, 4096, dtype, torch.device("cuda"), seed=t + h + g + d)
     assert_close("out", drafter_attention(*args), reference(*args), TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 7, 40])
+def test_gpu_split_sweep(splits):
+    """Kimi-K2.5 drafter share shapes (8 query heads, 1 kv head of 128, block 8) at long contexts."""
+    lens = [0, 65, 8191, 32768]
+    args = make_inputs(lens, 8, 8, 1, 128, 32768, torch.bfloat16, torch.device("cuda"), seed=11)
+    assert_close("out", drafter_attention(*args, num_splits=splits), reference(*args), TOL[torch.bfloat16])
 
 
 @pytest.mark.gpu

@@ -19,13 +19,16 @@ found = {}
 for dt in DT:
     ptr = "*" + dt
     sig = {"q_ptr": ptr, "ck_ptr": ptr, "cv_ptr": ptr, "len_ptr": "*i64", "kb_ptr": ptr, "vb_ptr": ptr,
-           "out_ptr": ptr, "T": "i32", "qk_scale": "fp32"}
+           "out_ptr": ptr, "part_ptr": "*fp32", "plse_ptr": "*fp32", "T": "i32", "num_splits": "i32",
+           "qk_scale": "fp32"}
     sig.update(i32("stride_qb", "stride_qt", "stride_qh", "stride_cb", "stride_cs", "stride_ch", "stride_bb",
                    "stride_bt", "stride_bh", "stride_ob", "stride_ot", "stride_oh"))
     for t, h, g, d in ((16, 8, 4, 32), (1, 4, 4, 32), (16, 32, 8, 128), (1, 32, 8, 128)):
-        cst = dict(attn.launch_constants(t, h, g, d, DT[dt]), ALIGN=16 // DT[dt].itemsize)
-        warps = cst.pop("num_warps")
-        found[f"attention-{dt}-t{t}-h{h}-g{g}-d{d}"] = build(attn._drafter_attention_kernel, sig, cst, warps)
+        for split in (False, True):
+            cst = dict(attn.launch_constants(t, h, g, d, DT[dt]), ALIGN=16 // DT[dt].itemsize, SPLIT=split)
+            warps = cst.pop("num_warps")
+            key = f"attention-{dt}-t{t}-h{h}-g{g}-d{d}-split{int(split)}"
+            found[key] = build(attn._drafter_attention_kernel, sig, cst, warps)
     sig = {"qkv_ptr": ptr, "qw_ptr": ptr, "kw_ptr": ptr, "start_ptr": "*i64", "inv_ptr": "*fp32"}
     sig.update(i32("T", "stride_b", "stride_t", "stride_h"), eps="fp32")
     for h, g, d in ((8, 4, 32), (32, 8, 128), (8, 2, 24)):
@@ -52,7 +55,7 @@ def compiled() -> dict:
 
 
 def test_every_drafter_kernel_builds_for_sm90_without_spills(compiled):
-    assert len(compiled) == 2 * (4 + 3 + 3 + 1)
+    assert len(compiled) == 2 * (4 * 2 + 3 + 3 + 1)
     for name, got in compiled.items():
         assert got["shared"] <= MAX_SHARED, (name, got)
         assert got["local"] == 0, f"{name}: register spills {got}"
