@@ -154,12 +154,13 @@ def test_gpu_split_sweep(splits):
 
 
 @pytest.mark.gpu
-def test_gpu_graph_replay_reads_new_lengths():
+@pytest.mark.parametrize("splits", [None, 7])
+def test_gpu_graph_replay_reads_new_lengths(splits):
     q, ck, cv, new_len, kb, vb = make_inputs([30, 200], 16, 8, 4, 32, 256, torch.bfloat16, "cuda", seed=2)
-    drafter_attention(q, ck, cv, new_len, kb, vb)  # compile outside the capture
+    drafter_attention(q, ck, cv, new_len, kb, vb, num_splits=splits)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = drafter_attention(q, ck, cv, new_len, kb, vb)
+        out = drafter_attention(q, ck, cv, new_len, kb, vb, num_splits=splits)
     new_len.copy_(torch.tensor([0, 7], device="cuda"))
     graph.replay()
     assert_close("replay", out, reference(q, ck, cv, new_len, kb, vb), TOL[torch.bfloat16])
