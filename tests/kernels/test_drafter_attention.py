@@ -95,6 +95,13 @@ def test_split_bf16_and_graph_lengths(device):
                  reference(q, ck, cv, new_len, kb, vb), TOL[torch.bfloat16])  # fmt: skip
 
 
+@pytest.mark.parametrize("bad", [0, -1, MAX_SPLITS + 1, 2.0])
+def test_bad_split_count_is_refused(device, bad):
+    args = make_inputs([5], 1, 4, 4, 32, 8, torch.float32, device, seed=0)
+    with pytest.raises(ValueError, match="num_splits"):
+        drafter_attention(*args, num_splits=bad)
+
+
 def test_pick_splits_cuts_long_contexts_on_few_programs():
     # Kimi-K2.5 drafter share (1 kv head of 128, bf16), 132 multiprocessors: 32k slots stream 16 MB
     assert pick_splits(1, 1, 32768, 128, 2, 132) == 32  # 512 KB each

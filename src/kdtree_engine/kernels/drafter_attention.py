@@ -145,6 +145,8 @@ def drafter_attention(
     if num_splits is None:
         sms = device_multiprocessors(q.device)
         num_splits = pick_splits(b, g, cache_k.shape[1], d, q.element_size(), sms)
+    elif not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits: expected an int in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
     part = plse = out  # unread with one split
     if num_splits > 1:
         part = torch.empty(b, num_splits, t * h, d, dtype=torch.float32, device=q.device)
