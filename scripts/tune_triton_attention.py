@@ -1,14 +1,15 @@
 """The Triton attention kernel's launch shape tried side by side (issue 29): for each decode-sized problem
-(t * h <= 16, where the Triton kernel serves even on an H200) and each forced `Config` (block_m,
-block_n, warps, stages), the GPU time of one call (bench/timing.time_graph: CUDA-graph replays, the L2
-flushed before each, medians; calls on distinct copies of the cache past 256 MB, as bench attention)
-and the largest difference from the kernel's default launch on the same inputs. The default is what
-`pick_config` chooses; the candidates come from docs/notes/kernels.md (what the sm_90 code of each
-showed: copy buffers and copies in flight). Prints a markdown table, writes $OUT/tune_triton_attention.md
-when OUT is set.
+(t * h <= 16, where the Triton kernel serves even on an H200) and each candidate, a forced `Config`
+(block_m, block_n, warps, stages) or `hopper` (the Hopper kernel with its row minimum lifted: one 64-row
+block for the few rows, where the cache is contiguous or in pages of 64), the GPU time of one call
+(bench/timing.time_graph: CUDA-graph replays, the L2 flushed before each, medians; calls on distinct
+copies of the cache past 256 MB, as bench attention) and the largest difference from the kernel's
+default launch on the same inputs. The default is what `pick_config` chooses; the candidates come from
+docs/notes/kernels.md (what the sm_90 code of each showed: copy buffers and copies in flight). Prints a
+markdown table, writes $OUT/tune_triton_attention.md when OUT is set.
 
     python scripts/tune_triton_attention.py [--heads 8] [--tokens 1] [--seqlens 8192 32768] \
-        [--batch 1 16] [--page-sizes 0 64 1] [--configs 16,64,4,3 16,32,4,5 16,64,4,5 16,32,4,7]
+        [--batch 1 16] [--page-sizes 0 64 1] [--configs 16,64,4,3 16,32,4,5 16,64,4,5 16,32,4,7 hopper]
 """
 
 from __future__ import annotations
@@ -25,33 +26,42 @@ from kdtree_engine.bench.attention import D_C, ROTATE_BYTES, make_problem
 from kdtree_engine.bench.plot import markdown_table, utc_stamp
 from kdtree_engine.kernels import mla_attention_triton as triton_attention
 
-DEFAULT_CONFIGS = ("16,64,4,3", "16,32,4,5", "16,64,4,5", "16,32,4,7")
+DEFAULT_CONFIGS = ("16,64,4,3", "16,32,4,5", "16,64,4,5", "16,32,4,7", "hopper")
+HOPPER = "hopper"  # the Hopper kernel even below its MIN_ROWS, where it can read the cache
 SCALE = 192**-0.5
 
 
-def parse_config(text: str) -> triton_attention.Config:
-    """'block_m,block_n,warps,stages' -> Config (ValueError naming --configs otherwise)."""
+def parse_config(text: str):
+    """'block_m,block_n,warps,stages' -> Config, or 'hopper' (ValueError naming --configs otherwise)."""
+    if text == HOPPER:
+        return HOPPER
     try:
         block_m, block_n, warps, stages = (int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"--configs: expected block_m,block_n,warps,stages, got {text!r}") from None
+        raise ValueError(f"--configs: expected m,n,warps,stages or hopper, got {text!r}") from None
     return triton_attention.Config(block_m, block_n, warps, stages)
 
 
 @contextlib.contextmanager
-def forced(config: triton_attention.Config | None):
-    """Plans made inside take `config` for every call (None: the kernel's own choice)."""
-    chosen = triton_attention.pick_config
-    if config is not None:
+def forced(config):
+    """Plans made inside take `config` for every call (None: the kernel's own choice; HOPPER: the Hopper
+    kernel's row minimum lifted)."""
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+    chosen, min_rows = triton_attention.pick_config, hopper.MIN_ROWS
+    if isinstance(config, triton_attention.Config):
         triton_attention.pick_config = lambda dtype, rows, d_c, paged=False: config
+    elif config == HOPPER:
+        hopper.MIN_ROWS = 1
     try:
         yield
     finally:
-        triton_attention.pick_config = chosen
+        triton_attention.pick_config, hopper.MIN_ROWS = chosen, min_rows
 
 
-def calls(problems: list[dict], config) -> list:
-    """One planned Triton call per problem (plans built with `config` forced, outside any timing)."""
+def calls(problems: list[dict], config) -> list | None:
+    """One planned call per problem (plans built with `config` forced, outside any timing); None where
+    the Hopper kernel cannot read the cache (pages not a multiple of 64)."""
     from kdtree_engine.attention import plan_attention
 
     out = []
@@ -59,18 +69,23 @@ def calls(problems: list[dict], config) -> list:
         for p in problems:
             plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=SCALE, d_v=D_C,
                                   visibility=p["vis"], block_table=p["block_table"],
-                                  impl="triton")  # fmt: skip
+                                  impl=None if config == HOPPER else "triton")  # fmt: skip
+            if config == HOPPER and plan.kernel != "hopper":
+                return None
             out.append(lambda plan=plan, p=p: plan.run(p["q"], p["kv"])[0])
     return out
 
 
 def compare(problems: list[dict], configs: list, timer) -> list[dict]:
     """Per config (None first: the default): time of one call by `timer(calls)` and the largest
-    difference of the first problem's output from the default's."""
+    difference of the first problem's output from the default's (both None where it cannot run)."""
     base = calls(problems[:1], None)[0]()
     rows = []
     for config in [None, *configs]:
         planned = calls(problems, config)
+        if planned is None:
+            rows.append({"config": config, "us": None, "max_diff": None})
+            continue
         diff = (planned[0]().float() - base.float()).abs().max().item()
         rows.append({"config": config, "us": timer(planned), "max_diff": diff})
     return rows
@@ -86,7 +101,12 @@ def point_rows(b, t, h, s, page, configs, rep_ms, device) -> list[list]:
     out = []
     for r in measured:
         c = r["config"]
-        name = "default" if c is None else f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}"
+        name = c or "default"
+        if isinstance(c, triton_attention.Config):
+            name = f"{c.block_m},{c.block_n},{c.num_warps},{c.num_stages}"
+        if r["us"] is None:
+            out.append([h, t, s, b, page or "-", name, "-", "-", "-"])
+            continue
         out.append([h, t, s, b, page or "-", name, f"{r['us']:.1f}", f"{default / r['us']:.2f}x",
                     f"{r['max_diff']:.2g}"])  # fmt: skip
     return out

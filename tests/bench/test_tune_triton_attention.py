@@ -25,6 +25,7 @@ def tune():
 
 def test_parse_config(tune):
     assert tune.parse_config("16,32,4,5") == tune.triton_attention.Config(16, 32, 4, 5)
+    assert tune.parse_config("hopper") == tune.HOPPER
     for bad in ("16,32,4", "a,b,c,d", ""):
         with pytest.raises(ValueError, match="--configs"):
             tune.parse_config(bad)
@@ -47,6 +48,11 @@ def test_forced_config_reaches_the_plan_and_is_undone(tune):
     with tune.forced(wanted):
         assert _plan(problem).launch.config == wanted
     assert _plan(problem).launch.config == default != wanted
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+    with tune.forced(tune.HOPPER):
+        assert hopper.MIN_ROWS == 1
+    assert hopper.MIN_ROWS == 17
 
 
 @pytest.mark.parametrize("page", [0, 16])
@@ -54,10 +60,10 @@ def test_compare_times_every_candidate_on_the_same_inputs(tune, page):
     from kdtree_engine.bench.attention import make_problem
 
     problems = [make_problem(1, 1, 2, 80, page, torch.device("cpu"), seed=i) for i in range(2)]
-    configs = [tune.parse_config("16,32,4,5"), tune.parse_config("16,64,4,5")]
+    configs = [tune.parse_config("16,32,4,5"), tune.parse_config("16,64,4,5"), tune.HOPPER]
     timed = []
     rows = tune.compare(problems, configs, lambda calls: timed.append(len(calls)) or 1.0 + len(timed))
     assert [r["config"] for r in rows] == [None, *configs]
-    assert timed == [2, 2, 2] and [r["us"] for r in rows] == [2.0, 3.0, 4.0]
+    assert timed == [2, 2, 2] and [r["us"] for r in rows] == [2.0, 3.0, 4.0, None]
     assert rows[0]["max_diff"] == 0.0
-    assert all(r["max_diff"] < 2e-2 for r in rows)
+    assert all(r["max_diff"] < 2e-2 for r in rows[:3]) and rows[3]["max_diff"] is None  # no Hopper on a CPU
