@@ -311,13 +311,16 @@ def test_sections_measure_every_point_and_the_json_reprojects(tmp_path, monkeypa
     )
     for section in ("layer", "drafter", "tree"):
         kimi_measure.SECTIONS[section](run)
-    counts = {s: len(results[s]) for s in ("attention", "plan", "moe", "lm_head", "drafter", "tree")}
-    assert counts == {"attention": 6, "plan": 6, "moe": 12, "lm_head": 6, "drafter": 2, "tree": 2}
+    sections = ("attention", "plan", "moe", "lm_head", "drafter", "drafter_attention", "tree")
+    counts = {s: len(results[s]) for s in sections}
+    assert counts == dict(attention=6, plan=6, moe=12, lm_head=6, drafter=2, drafter_attention=2, tree=2)
+    assert all(r["splits"] == 1 and r["max_diff"] == 0.0 for r in results["drafter_attention"])  # 8 rows
     assert {r["kernel"] for r in results["attention"]} == {"ref"}
     assert all(0 < r["experts_rank"] <= 4 for r in results["moe"])  # ep = 4: four experts per rank
     assert all(r["tokens"] == 1 or r["over_roofline"] > 0 for r in results["moe"])
     text = kimi.write(results, args)
     assert "| 8 | 2 | 10.0 | 10.0 | 0.0 | 10.0 |" in text  # the drafter: the same stand-in time twice
+    assert "| 8 | 2 | 1 | 10.0 | 10.0 |" in text  # its attention: one split for 8 context rows
     assert "Projected round" in text and "Kimi-K2.5-DFlash, MT-Bench" in text
     saved = tmp_path / "kimi_bench.json"
     assert json.loads(saved.read_text())["moe"] == results["moe"]

@@ -10,7 +10,9 @@ graph replays, the L2 flushed before each, medians) unless said otherwise, on ra
   lm_head rows; each with the bytes it must move and its memory roofline (bytes / the copy bandwidth
   measured in the same run);
 - drafter: one drafting round of the Kimi-K2.5 DFlash drafter's share with 1 and 2 layers; the
-  difference is one layer, the rest (fc, embedding, lm_head rows, norms) the fixed part;
+  difference is one layer, the rest (fc, embedding, lm_head rows, norms) the fixed part; and the
+  drafter's attention alone, its context in the splits chosen against one split (kernels/
+  drafter_attention.py);
 - tree: our whole greedy tree path (draft top-k over the full vocabulary, build, compile, follow) as
   SGLang's worker calls it through our drop-in, host-timed as bench sglang times it (bench/sglang.py);
 - port (needs the port's checkout, scripts/fetch_peers.sh): the SGLang DDTree port's tree path the same
@@ -222,6 +224,22 @@ def measured_tables(results: dict) -> str:
     if drafter:
         heads = ["prefix", "batch", "1 layer us", "2 layers us", "per layer us", "fixed us"]
         parts.append("Drafter share, one round:\n\n" + markdown_table(heads, drafter))
+    split = [
+        [
+            r["prefix"],
+            r["batch"],
+            r["splits"],
+            _us(r),
+            _us(r, "one_split_us"),
+            _us(r, "roofline_us"),
+            f"{r['max_diff']:.2g}",
+        ]  # fmt: skip
+        for r in results.get("drafter_attention", [])
+    ]
+    if split:
+        heads = ["prefix", "batch", "splits", "us", "one split us", "roofline us", "max diff"]
+        parts.append("Drafter attention, one layer (splits chosen against one split):\n\n"
+                     + markdown_table(heads, split))  # fmt: skip
     tree = [
         [r["batch"], r["budget"], _us(r), _us(port, "us") if port else "-"]
         for r, port in _tree_pairs(results)

@@ -174,8 +174,40 @@ def _draft_round(run, model, b: int, prefix: int):
     return draft_round
 
 
+def _drafter_attention_calls(run, b: int, prefix: int):
+    """(splits chosen, the call with them, the call with one split): one layer's block attention over
+    `prefix` context rows per request at the drafter share's heads, on the same random inputs."""
+    from kdtree_engine.kernels._device import device_multiprocessors
+    from kdtree_engine.kernels.drafter_attention import drafter_attention, pick_splits
+
+    d, tp = run.shard.drafter, run.shard.tp
+    h, g, hd, block, slots = d.heads // tp, d.kv_heads // tp, d.head_dim, d.block, prefix + 2 * d.block
+    gen = torch.Generator(device=run.device).manual_seed(run.args.seed)
+    rnd = partial(torch.randn, device=run.device, dtype=BF16, generator=gen)
+    q, k_blk, v_blk = rnd(b, block, h, hd), rnd(b, block, g, hd), rnd(b, block, g, hd)
+    cache_k, cache_v = rnd(b, slots, g, hd), rnd(b, slots, g, hd)
+    lens = torch.full((b,), prefix, device=run.device, dtype=torch.int64)
+    splits = pick_splits(b, g, slots, hd, 2, device_multiprocessors(run.device))
+    args = (q, cache_k, cache_v, lens, k_blk, v_blk)
+    return splits, partial(drafter_attention, *args), partial(drafter_attention, *args, num_splits=1)
+
+
+def drafter_attention_split(run, points) -> None:
+    """The drafter's attention alone per (prefix, batch): the context in the splits `pick_splits` chooses
+    against one program per request and KV head (the launch before splits), same inputs."""
+    for prefix, b in points:
+        splits, chosen, single = _drafter_attention_calls(run, b, prefix)
+        d = run.shard.drafter
+        nbytes = b * prefix * (d.kv_heads // run.shard.tp) * d.head_dim * 2 * 2  # K and V read once
+        diff = (chosen().float() - single().float()).abs().max().item()
+        row = {"prefix": prefix, "batch": b, "splits": splits, "us": _timed(chosen, run),
+               "one_split_us": _timed(single, run), "max_diff": diff}  # fmt: skip
+        run.emit("drafter_attention", _roofline(row, nbytes, run))
+
+
 def drafter(run) -> None:
-    """Per (prefix, batch): a round with 1 and with 2 drafter layers; per layer = the difference."""
+    """Per (prefix, batch): a round with 1 and with 2 drafter layers; per layer = the difference; then
+    the drafter's attention alone, split and not."""
     points = [(prefix, b) for prefix in run.args.prefixes for b in run.args.batch]
     times = {}
     for layers in (1, 2):
@@ -197,6 +229,7 @@ def drafter(run) -> None:
                 "fixed_us": 2 * one - two,
             },
         )
+    drafter_attention_split(run, points)
 
 
 def _tree_us(fns, topk, b: int, budget: int, run) -> float:
