@@ -233,7 +233,7 @@ def measured_tables(results: dict) -> str:
             _us(r, "one_split_us"),
             _us(r, "roofline_us"),
             f"{r['max_diff']:.2g}",
-        ]  # fmt: skip
+        ]
         for r in results.get("drafter_attention", [])
     ]
     if split:
