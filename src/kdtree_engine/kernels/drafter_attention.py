@@ -102,10 +102,10 @@ def _drafter_attention_kernel(
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0))  # log2 domain; the merge takes natural logs
         lse = tl.where(seen, lse2 * 0.6931471805599453, float("-inf"))
-        rows_out = (b * num_splits + split) * T * REP * tl.num_programs(1) + t * REP * tl.num_programs(1)
-        rows_out += kvh * REP + r  # [BM] row (t, head) of the partial's [T * h] rows
-        tl.store(part_ptr + rows_out[:, None] * D + offs_d[None, :], out, mask=q_mask)
-        tl.store(plse_ptr + rows_out, lse, mask=row_ok)
+        heads = REP * tl.num_programs(1)  # h
+        piece = (b * num_splits + split) * T * heads + t * heads + kvh * REP + r  # [BM] (b, split, t, head)
+        tl.store(part_ptr + piece[:, None] * D + offs_d[None, :], out, mask=q_mask)
+        tl.store(plse_ptr + piece, lse, mask=row_ok)
     else:
         out = acc / l_i[:, None]  # l_i >= 1: every row sees its own block
         o_off = b * stride_ob + t * stride_ot + (kvh * REP + r) * stride_oh
