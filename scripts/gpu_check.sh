@@ -12,7 +12,8 @@
 # and of `bench kimi`, the row-invariant GEMM against cuBLAS (scripts/bench_linear.py, issue 32), then `kdtree-engine bench kimi` with its layer,
 # drafter and tree sections (issue 34); "kimi-port" adds the port section (the SGLang port's tree
 # path and verify attention; needs .peers/sglang) to the kimi_bench.json of an earlier "kimi" call, carried
-# as out/kimi_bench.json (KIMI_JSON overrides). "tune-attention" runs the GPU tests of the kernels whose launches
+# as out/kimi_bench.json (KIMI_JSON overrides). "flashmla" installs the FlashMLA wheel carried in .whl/ and runs
+# bench attention against it on 64-row pages (issue 29). "tune-attention" runs the GPU tests of the kernels whose launches
 # changed after the sm_90 compile audit (docs/notes/kernels.md), then scripts/tune_triton_attention.py.
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
 # benchmark, and an SGLang checkout (or just its python/sglang/srt/speculative/ddtree_utils.py) at
@@ -76,6 +77,19 @@ if [ "$what" = tune-attention ]; then
   timeout "${T_TUNE_V:-120}" python3 scripts/tune_triton_attention.py --heads 8 64 --tokens 9 33 --seqlens 8192 \
     --batch 16 --page-sizes 1 --configs 64,32,8,5 32,64,8,5 2>&1 | tee "$R/tune_triton_attention_verify.log" \
     | tail -20 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = flashmla ]; then
+  # issue 29: ours against FlashMLA (causal, and the cascade of FlashMLA over the prefix + our tree pass) on
+  # paged caches of 64-row pages, the only pages FlashMLA reads; its wheel carried in .whl/ (carry [".whl"])
+  pip install -q --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+  python3 -c "import flash_mla; print('flash_mla', flash_mla.__version__)" || status=1
+  timeout "${T_FMT:-90}" python3 -m pytest -q -m gpu tests/bench/test_flashmla_peer.py -p no:cacheprovider -rs 2>&1 \
+    | tee "$R/flashmla_tests.log" | tail -8 || status=1
+  timeout "${T_FMB:-480}" python3 -m kdtree_engine bench attention --heads 64 8 --tokens 1 9 33 \
+    --seqlens 1024 8192 32768 --batch 1 16 --page-size 64 --no-naive --rep 30 --out "$R/attention_flashmla" 2>&1 \
+    | tee "$R/bench_attention_flashmla.log" | tail -40 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
