@@ -75,7 +75,7 @@ if [ "$what" = tune-attention ]; then
     | tail -70 || status=1
   # the 64-row launch on SGLang's pages of 1 (tree verify), where the Hopper kernel cannot serve
   timeout "${T_TUNE_V:-160}" python3 scripts/tune_triton_attention.py --heads 8 64 --tokens 9 17 33 \
-    --seqlens 4096 --batch 16 64 --page-sizes 1 --configs 64,32,8,5 32,64,8,5 2>&1 \
+    --seqlens 4096 --batch 16 64 --page-sizes 1 --configs 64,32,8,5 32,64,8,5 --table tune_verify.md 2>&1 \
     | tee "$R/tune_triton_attention_verify.log" | tail -40 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status

@@ -6,7 +6,7 @@ block for the few rows, where the cache is contiguous or in pages of 64), the GP
 copies of the cache past 256 MB, as bench attention) and the largest difference from the kernel's
 default launch on the same inputs. The default is what `pick_config` chooses; the candidates come from
 docs/notes/kernels.md (what the sm_90 code of each showed: copy buffers and copies in flight). Prints a
-markdown table, writes $OUT/tune_triton_attention.md when OUT is set.
+markdown table, writes it under $OUT when OUT is set (--table names the file).
 
     python scripts/tune_triton_attention.py [--heads 8] [--tokens 1] [--seqlens 8192 32768] \
         [--batch 1 16] [--page-sizes 0 64 1] [--configs 16,64,4,3 16,32,4,5 16,64,4,5 16,32,4,7 hopper]
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[0, 64, 1], help="0: contiguous")
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="m,n,warps,stages each")
     parser.add_argument("--rep-ms", type=float, default=30)
+    parser.add_argument("--table", default="tune_triton_attention.md", help="the table's file under $OUT")
     args = parser.parse_args()
     configs = [parse_config(c) for c in args.configs]
     device = torch.device("cuda")
@@ -135,7 +136,7 @@ def main() -> None:
             + markdown_table(header, table))  # fmt: skip
     print(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "tune_triton_attention.md").write_text(text)
+        Path(os.environ["OUT"], args.table).write_text(text)
 
 
 if __name__ == "__main__":
