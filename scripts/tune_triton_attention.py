@@ -123,7 +123,12 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=float, default=30)
     parser.add_argument("--table", default="tune_triton_attention.md", help="the table's file under $OUT")
     args = parser.parse_args()
-    configs = [parse_config(c) for c in args.configs]
+    try:
+        configs = [parse_config(c) for c in args.configs]
+    except ValueError as exc:
+        parser.exit(2, f"tune_triton_attention: {exc}\n")
+    if not torch.cuda.is_available():
+        parser.exit(2, "tune_triton_attention: needs a CUDA GPU\n")
     device = torch.device("cuda")
     table = []
     grid = itertools.product(args.heads, args.tokens, args.seqlens, args.batch, args.page_sizes)

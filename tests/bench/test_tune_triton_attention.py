@@ -1,6 +1,7 @@
 """scripts/tune_triton_attention.py on the CPU (the Triton interpreter, a stand-in timer): a forced launch
 shape reaches the plan and is undone after, every candidate is compared with the default on the same
-inputs, and a malformed --configs entry is a ValueError naming it."""
+inputs, a malformed --configs entry is a ValueError naming it, and on the command line one line on
+stderr with exit code 2 (so is a machine without a GPU)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,15 @@ def test_compare_times_every_candidate_on_the_same_inputs(tune, page):
     assert timed == [2, 2, 2] and [r["us"] for r in rows] == [2.0, 3.0, 4.0, None]
     assert rows[0]["max_diff"] == 0.0
     assert all(r["max_diff"] < 2e-2 for r in rows[:3]) and rows[3]["max_diff"] is None  # no Hopper on a CPU
+
+
+def test_command_line_errors_are_one_line_and_exit_2():
+    import subprocess
+    import sys
+
+    for argv, want in ((["--configs", "1,2"], "--configs"), ([], "needs a CUDA GPU")):
+        if not argv and torch.cuda.is_available():
+            continue
+        run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=99)
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 2 and len(lines) == 1 and want in lines[0], run.stderr
