@@ -7,9 +7,11 @@ loop is software-pipelined and how many buffers it gets all follow from those ma
 runs instead (a model forward, a draft, an attention plan) on CPU tensors with Triton's driver replaced
 by an sm_90 target that compiles each launch and runs nothing (`JITFunction.run` with warmup=True), so
 each kernel is compiled with exactly the specialization, constexprs, warps and stages its wrapper
-chooses. The outputs are never computed (the tensors keep whatever memory held), so only code whose
-launches do not depend on values read back on the host can be compiled this way: the captured forward
-and draft qualify (they never read the device).
+chooses, by the pinned Triton (constraints.txt: 3.6.0, the H200 image's; another version's pipeliner may
+place stages differently, which these tests would then report). The outputs are never computed (the
+tensors keep whatever memory held), so only code whose launches do not depend on values read back on
+the host can be compiled this way: the captured forward and draft qualify (they never read the
+device).
 
 `run_launch_script(body)` runs PRELUDE + body in a fresh interpreter without the Triton interpreter and
 returns the JSON object the body prints last. The body calls `launched()` for what was compiled since
