@@ -296,13 +296,16 @@ def _split_kv_kernel(
 def pick_config(dtype: torch.dtype, rows: int, d_c: int, paged: bool = False) -> Config:
     """Launch shape by dtype and rows per request (t*h): wide M tiles feed the tensor cores when rows
     are many; narrow ones waste less when rows are few (decode); float32 keeps exact fp32 products.
-    A paged cache's tile address comes from a load of the block table, and Triton's pipeliner spends
-    stages on that chain: with 3 stages the tile got a single buffer, copied only after the previous
-    tile was used (no copy in flight); 5 give it two, as a contiguous cache gets from 3."""
+    A paged decode takes 32-slot tiles and 5 stages: the tile's address comes from a load of the block
+    table, and Triton's pipeliner spends stages on that chain (64-slot tiles with 3 stages got one
+    buffer and no copy in flight); the fastest of the launch shapes timed on pages of 1 (docs/notes/
+    kernels.md; pages of 64 go to the Hopper kernel on an H200)."""
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:
-        return Config(block_m=16, block_n=64, num_warps=4, num_stages=5 if paged else 3)
+        if paged:
+            return Config(block_m=16, block_n=32, num_warps=4, num_stages=5)
+        return Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
     return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
 
 
