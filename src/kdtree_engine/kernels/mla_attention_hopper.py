@@ -65,8 +65,8 @@ def serves(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool) -> bo
     """Whether this kernel can run the call: Hopper, bf16/fp16, (d_c, d_r) in SHAPES, 16-byte aligned q
     and cache rows, a cache TMA can read in 64-row boxes (contiguous, and a paged cache's pages a
     multiple of 64 rows), and at least MIN_ROWS query rows per request unless the cache is paged: on
-    pages of 64 this kernel, one 64-row block for the few rows, beat the Triton kernel's decode launch
-    by 1.9-2.7x at h = 8, t = 1 (docs/notes/kernels.md)."""
+    pages of 64 this kernel, one 64-row block for the few rows, beat every Triton decode launch timed at
+    h = 8, t = 1 (docs/notes/kernels.md)."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda:
         return False
     if (d_v, q.shape[-1] - d_v) not in SHAPES or (q.shape[1] * q.shape[2] < MIN_ROWS and not paged):
