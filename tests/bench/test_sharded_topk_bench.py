@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from kdtree_engine.bench import sharded_topk as S
 from kdtree_engine.cli import main
+from tests.integrations.thread_group import ThreadGroup
 
 WORKER_FILE = Path("python/sglang/srt/speculative/ddtree_worker_v2.py")
 METHOD = "_compute_draft_topk_log_probs_and_token_ids"
@@ -68,20 +69,6 @@ def test_tie_check_accepts_tie_order_and_choice_only():
 
 
 # ---- the port side against the port's own method ---------------------------------------------------
-
-
-class ThreadGroup:
-    """A tensor-parallel group of `world` threads (rank = the thread's `rank` attribute)."""
-
-    def __init__(self, world: int):
-        self.world_size, self.slots = world, [None] * world
-        self.barrier, self.local = threading.Barrier(world), threading.local()
-
-    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self.slots[self.local.rank] = inp.clone()
-        self.barrier.wait()
-        out.copy_(torch.stack(self.slots).view(out.shape))
-        self.barrier.wait()
 
 
 def port_method(group):

@@ -12,20 +12,7 @@ import torch
 
 from kdtree_engine.integrations.sglang import topk as T
 from kdtree_engine.ref import tree as ref_tree
-
-
-class ThreadGroup:
-    """A tensor-parallel group of `world` threads (rank = the thread's `rank` attribute)."""
-
-    def __init__(self, world: int):
-        self.world_size, self.slots = world, [None] * world
-        self.barrier, self.local = threading.Barrier(world), threading.local()
-
-    def all_gather_into_tensor(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self.slots[self.local.rank] = inp.clone()
-        self.barrier.wait()
-        out.copy_(torch.stack(self.slots))
-        self.barrier.wait()
+from tests.integrations.thread_group import ThreadGroup
 
 
 def inputs(seed: int, tokens: int, vocab: int, ties: bool):
