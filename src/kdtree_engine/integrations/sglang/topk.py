@@ -63,9 +63,8 @@ def draft_topk(
     group: None (one rank) or a tensor-parallel group with `world_size` and
     `all_gather_into_tensor(out, in)` whose ranks hold consecutive shards, each starting at a multiple of
     NORM_BLOCK tokens. blocks: the normalizer partials each rank sends (ceil(shard size / NORM_BLOCK)
-    of the largest shard; the default is this rank's), so that the gathered tensors have one shape."""
-    if topk < 1:
-        raise ValueError(f"topk: expected >= 1, got {topk}")
+    of the largest shard; the default is this rank's), so that the gathered tensors have one shape.
+    A topk below 1 is a ValueError naming it (shard_logits_topk's check)."""
     if hidden_states.dtype != weight.dtype:
         hidden_states = hidden_states.to(weight.dtype)
     logits = torch.mm(hidden_states, weight.t())
