@@ -13,11 +13,12 @@ tensors keep whatever memory held), so only code whose launches do not depend on
 the host can be compiled this way: the captured forward and draft qualify (they never read the
 device).
 
-`run_launch_script(body)` runs PRELUDE + body in a fresh interpreter without the Triton interpreter and
-returns the JSON object the body prints last. The body calls `launched()` for what was compiled since
-the last call: {kernel name: [report, ...]}, one report per distinct compiled variant:
+`run_launch_script(body)` runs PRELUDE (offline_compile.BUILD's helpers, then the harness) + body in a
+fresh interpreter without the Triton interpreter and returns the JSON object the body prints last. The
+body calls `launched()` for what was compiled since the last call: {kernel name: [report, ...]}, one
+report per distinct compiled variant:
 
-- shared (bytes), regs (per thread), local (spilled bytes), from the cubin;
+- shared (bytes), regs (per thread), local (spilled bytes): BUILD's resources(kernel);
 - copy_buffers: the depth of each multi-buffered shared allocation the pipeliner made for async copies
   (1: a single buffer, refilled after use; 2 or more: copies in flight while an earlier tile is used);
 - waits: the `num` of every async wait, in program order (a wait of 0 at the top of a loop leaves no
@@ -30,18 +31,16 @@ the last call: {kernel name: [report, ...]}, one report per distinct compiled va
 
 from __future__ import annotations
 
-from tests.kernels.offline_compile import run_compile_script
+from tests.kernels.offline_compile import BUILD, run_compile_script
 
-PRELUDE = r"""
-import collections, json, os, re, subprocess, tempfile
-os.environ.pop("TRITON_INTERPRET", None)
+PRELUDE = (
+    BUILD
+    + r"""
+import collections
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SMS = 132  # an H200's multiprocessors, for the launch heuristics that read them
 
 
@@ -86,15 +85,9 @@ _merge._round_shape = lambda pieces, on_gpu: _round_shape(pieces, True)  # the G
 
 def report(kernel):
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"]); f.flush()
-        res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True, check=True).stdout
     loads = collections.Counter(re.findall(r"ld\.global[.\w]*", ptx))
     return {
-        "shared": kernel.metadata.shared,
-        "regs": int(re.search(r"REG:(\d+)", res).group(1)),
-        "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
+        **resources(kernel),
         "copy_buffers": [int(n) for n in re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+", ttgir)],
         "waits": [int(n) for n in re.findall(r"async_wait[^{]*\{num = (\d+)", ttgir)],
         "loads_16bit": sum(n for op, n in loads.items() if re.search(r"\.[bsuf]16$", op)),
@@ -119,6 +112,7 @@ def aligned(module):
         p.data = p.data.clone()
     return module
 """
+)
 
 # The shapes that matter, each compiled as launched (test_launch_compile.py, scripts/compile_audit.py):
 # one GPU's share of Kimi-K2 under 8-way tensor parallelism (hidden 7168, 8 MLA heads on a 512 + 64

@@ -14,7 +14,8 @@ import pytest
 MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
 
 # The start of a compile script: build(fn, sig, cst, warps, stages) compiles a kernel for sm_90 and
-# returns its shared memory, local (spilled) bytes and registers per thread; i32(*names) types ints.
+# returns resources(kernel): its shared memory, local (spilled) bytes and registers per thread;
+# i32(*names) types ints.
 # Pointers are 16-byte aligned and every int the kernel lets Triton specialize is a multiple of 16, as
 # a launch at realistic sizes marks them (the marks decide load widths and software pipelining, hence
 # the shared memory); launch_compile.py compiles kernels exactly as the package launches them.
@@ -34,6 +35,10 @@ def build(fn, sig, cst, warps=4, stages=3):
     sig = dict(sig, **{n: "constexpr" for n in cst})
     kernel = triton.compile(ASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps, "num_stages": stages})
+    return resources(kernel)
+
+
+def resources(kernel):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"]); f.flush()
         res = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name],
