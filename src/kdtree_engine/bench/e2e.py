@@ -138,7 +138,19 @@ def summarize(outputs) -> dict:
         "eager_rounds": sum(s.eager_rounds for s in stats),
         "budgets": dict(sorted(sum((Counter(s.budget_histogram) for s in stats), Counter()).items())),
         "budget_report": _merged_report([s.budget_report for s in stats if s.budget_report]),
+        "call_s": wall,
+        "auto_costs": _cost_accounting([t for s in stats for t in s.round_seconds]),
     }
+
+
+def _cost_accounting(seconds: list[float]) -> dict | None:
+    """Budget "auto": how much of a call the policy's cost measurements saw: rounds read, rounds
+    measured (the others' intervals held a capture or an eager round), and the measured seconds summed;
+    None for a fixed budget."""
+    if not seconds:
+        return None
+    measured = [t for t in seconds if t == t]
+    return {"rounds": len(seconds), "measured": len(measured), "seconds": sum(measured)}
 
 
 def _merged_report(reports: list[dict]) -> dict:
@@ -177,6 +189,23 @@ def auto_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
     if not body:
         return None
     heads = [*lead_heads, "bucket", "rounds", "predicted", "expected", "observed", "round ms"]
+    return markdown_table(heads, body)
+
+
+def auto_cost_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
+    """The auto rows' time as the policy saw it against the calls' wall time (less capture): rounds read,
+    rounds measured, the measured rounds' summed cost, and what of the calls' time they account for; a
+    policy whose costs explain the wall time prices buckets right. None without an auto row."""
+    body = []
+    for r in rows:
+        costs = r.get("auto_costs")
+        if costs:
+            share = costs["seconds"] / r["call_s"] if r["call_s"] else float("nan")
+            body.append([*lead(r), costs["rounds"], costs["measured"], f"{costs['seconds'] * 1e3:.2f}",
+                         f"{r['call_s'] * 1e3:.2f}", f"{share:.2f}"])  # fmt: skip
+    if not body:
+        return None
+    heads = [*lead_heads, "rounds", "measured", "measured ms", "call ms", "measured / call"]
     return markdown_table(heads, body)
 
 

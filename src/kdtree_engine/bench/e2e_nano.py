@@ -123,6 +123,8 @@ def markdown(rows: list[dict], header: str, experts: list[dict] | None = None, f
     auto = e2e.auto_table(rows, lead[:2], lambda r: [r["batch"], f"{r['temperature']:g}"])
     if auto:
         parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
+        costs = e2e.auto_cost_table(rows, lead[:2], lambda r: [r["batch"], f"{r['temperature']:g}"])
+        parts += ['Budget "auto": its measured round costs against the calls\' time:', costs]
     if experts:
         parts.append(touch.markdown(experts))
     if forwards:

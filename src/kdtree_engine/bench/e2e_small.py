@@ -168,6 +168,8 @@ def markdown(rows: list[dict], header: str, forwards: list[dict] | None = None) 
     auto = e2e.auto_table(rows, ["batch"], lambda r: [r["batch"]])
     if auto:
         parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
+        costs = e2e.auto_cost_table(rows, ["batch"], lambda r: [r["batch"]])
+        parts += ['Budget "auto": its measured round costs against the calls\' time:', costs]
     if forwards:
         parts.append(forward_cost.markdown(forwards, DRAFTER_LABEL))
     return "\n\n".join(parts)

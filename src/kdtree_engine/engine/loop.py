@@ -643,6 +643,7 @@ class _Rounds:
             spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0, j])
             self.policy.observe(entry.bucket, seconds, rows, counts, floats if spec else None)
             self.run.stats.budgets.append(entry.bucket)
+            self.run.stats.round_seconds.append(float("nan") if seconds is None else seconds)
         return tokens, counts
 
     def _cost(self, entry: _InFlight) -> float | None:
