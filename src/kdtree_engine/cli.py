@@ -36,6 +36,7 @@ TRAINING = {
     "target": ("kdtree_engine.train.target", "train the kimi-nano target (transformers, resumable)"),
     "drafter": ("kdtree_engine.train.drafter", "train a DFlash drafter for a target (resumable)"),
     "carry": ("kdtree_engine.train.carry", "pack a prepared corpus for the GPU machine, or unpack it there"),
+    "ship": ("kdtree_engine.train.ship", "copy a trained target and drafter into the package's assets"),
 }
 # Optional dependencies -> the pyproject extra that installs them.
 EXTRAS = {"transformers": "hf", "tokenizers": "hf", "triton": "gpu", "matplotlib": "bench", "tqdm": "train"}

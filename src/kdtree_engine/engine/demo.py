@@ -28,7 +28,7 @@ def kimi_nano_prompt(index: int = 0) -> tuple[str, str]:
 
     prompt = heldout_prompts()[index]
     intro = (
-        f"--- prompt: held-out code from the Python standard library ({prompt['source']}); it ends with a "
+        f"--- prompt: code from a file held out of kimi-nano's training ({prompt['source']}); it ends with a "
         "def line, before its newline, as training text goes on: the model writes the body ---\n"
         f"{prompt['text']}"
     )
