@@ -120,10 +120,13 @@ def markdown(rows: list[dict], header: str, experts: list[dict] | None = None, f
         rows, lead, lambda r: [r["batch"], f"{r['temperature']:g}", r["method"], r["budget"] or "-"]
     )
     parts = [header, markdown_table(heads, body), "Per-stage time per round:", stages]
-    auto = e2e.auto_table(rows, lead[:2], lambda r: [r["batch"], f"{r['temperature']:g}"])
+    def setting(r: dict) -> list:
+        return [r["batch"], f"{r['temperature']:g}"]
+
+    auto = e2e.auto_table(rows, lead[:2], setting)
     if auto:
         parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
-        costs = e2e.auto_cost_table(rows, lead[:2], lambda r: [r["batch"], f"{r['temperature']:g}"])
+        costs = e2e.auto_cost_table(rows, lead[:2], setting)
         parts += ['Budget "auto": its measured round costs against the calls\' time:', costs]
     if experts:
         parts.append(touch.markdown(experts))

@@ -12,7 +12,6 @@ needs, or a drafter made for another vocabulary, is a ValueError naming it and n
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
@@ -20,20 +19,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH
+from kdtree_engine.model.config import read_json
+from kdtree_engine.model.loader import INDEX, SINGLE, index_shards
 
 TARGET_FILES = ("config.json", "generation_config.json", "heldout_prompts.json", "tokenizer.json",
                 "tokenizer_config.json")  # fmt: skip
-INDEX = "model.safetensors.index.json"
-DRAFTER_WEIGHTS = "model.safetensors"
 
 
 def _target_weights(target: Path) -> list[Path]:
     """The target's weight files: the shards its index names and the index, or one model.safetensors."""
     index = target / INDEX
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [target / name for name in shards] + [index]
-    return [target / DRAFTER_WEIGHTS]
+        return [target / name for name in index_shards(index)] + [index]
+    return [target / SINGLE]
 
 
 def _check(files: list[Path]) -> None:
@@ -43,7 +41,7 @@ def _check(files: list[Path]) -> None:
 
 
 def _vocab(folder: Path) -> int:
-    return json.loads((folder / "config.json").read_text())["vocab_size"]
+    return read_json(folder / "config.json")["vocab_size"]
 
 
 def _clear_weights(folder: Path) -> None:
@@ -57,7 +55,7 @@ def ship(target: str | Path, drafter: str | Path, target_out: Path = KIMI_NANO,
     files written."""
     target, drafter = Path(target), Path(drafter)
     sources = [target / name for name in TARGET_FILES] + _target_weights(target)
-    _check(sources + [drafter / "config.json", drafter / DRAFTER_WEIGHTS])
+    _check(sources + [drafter / "config.json", drafter / SINGLE])
     if _vocab(target) != _vocab(drafter):
         raise ValueError(f"drafter {drafter} has vocab_size {_vocab(drafter)}, the target {_vocab(target)}")
     for folder in (target_out, drafter_out):
@@ -65,10 +63,10 @@ def ship(target: str | Path, drafter: str | Path, target_out: Path = KIMI_NANO,
         _clear_weights(folder)
     written = [Path(shutil.copyfile(f, target_out / f.name)) for f in sources]
     written.append(Path(shutil.copyfile(drafter / "config.json", drafter_out / "config.json")))
-    state = load_file(str(drafter / DRAFTER_WEIGHTS))
+    state = load_file(str(drafter / SINGLE))
     bf16 = {k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}
-    save_file(bf16, str(drafter_out / DRAFTER_WEIGHTS), metadata={"format": "pt"})
-    return written + [drafter_out / DRAFTER_WEIGHTS]
+    save_file(bf16, str(drafter_out / SINGLE), metadata={"format": "pt"})
+    return written + [drafter_out / SINGLE]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
