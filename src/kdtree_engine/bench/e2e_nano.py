@@ -120,6 +120,7 @@ def markdown(rows: list[dict], header: str, experts: list[dict] | None = None, f
         rows, lead, lambda r: [r["batch"], f"{r['temperature']:g}", r["method"], r["budget"] or "-"]
     )
     parts = [header, markdown_table(heads, body), "Per-stage time per round:", stages]
+
     def setting(r: dict) -> list:
         return [r["batch"], f"{r['temperature']:g}"]
 
