@@ -299,7 +299,7 @@ def pick_config(dtype: torch.dtype, rows: int, d_c: int, paged: bool = False) ->
     A paged decode takes 32-slot tiles and 5 stages: the tile's address comes from a load of the block
     table, and Triton's pipeliner spends stages on that chain (64-slot tiles with 3 stages got one
     buffer and no copy in flight); the fastest of the launch shapes timed on pages of 1 (docs/notes/
-    kernels.md; pages of 64 go to the Hopper kernel on an H200)."""
+    kernels.md; pages of 64 go to the Hopper kernel on sm_90)."""
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:
