@@ -101,6 +101,9 @@ class Calibration:
         self.level_sums, self.drafts = np.zeros(k), np.zeros(k)
         self.n, self.sx, self.sy, self.sxx, self.sxy = (np.zeros(k) for _ in range(5))
         self._coefficients: tuple[np.ndarray, np.ndarray] | None = None  # until the next observation
+        self._levels: np.ndarray | None = None  # until the next draft read
+        self._nearest: tuple[bytes, np.ndarray] | None = None  # (buckets tried, the one each borrows)
+        self._sizes = np.asarray(self.buckets, dtype=np.float64)
 
     def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
         """One round of bucket index j: per running request, the drafted tokens it accepted
@@ -115,7 +118,7 @@ class Calibration:
         known = ~np.isnan(sums)
         self.level_sums += np.where(known, sums, 0.0).sum(axis=0)
         self.drafts += known.sum(axis=0)
-        self._coefficients = None
+        self._coefficients = self._levels = None
 
     def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray) -> None:
         """The requests of a round of bucket index j: the S at that bucket their choice saw, the
@@ -137,14 +140,20 @@ class Calibration:
         tried = self.predicted > 0
         if not tried.any():
             return np.ones(len(self.buckets))
-        sizes = np.asarray(self.buckets, dtype=np.float64)
-        far = np.abs(sizes[None, :] - sizes[:, None]) * (2.0 * sizes.max() + 2.0) + sizes[None, :]
-        nearest = np.where(tried[None, :], far, np.inf).argmin(axis=1)  # [j]: the bucket it borrows
+        key = tried.tobytes()
+        if self._nearest is None or self._nearest[0] != key:  # changes only when a bucket is first tried
+            sizes = self._sizes
+            far = np.abs(sizes[None, :] - sizes[:, None]) * (2.0 * sizes.max() + 2.0) + sizes[None, :]
+            borrows = np.where(tried[None, :], far, np.inf).argmin(axis=1)  # [j]: the bucket it borrows
+            self._nearest = key, borrows
+        nearest = self._nearest[1]
         return self.accepted[nearest] / self.predicted[nearest]
 
     def levels(self) -> np.ndarray:
         """The mean S at each bucket over every draft read that built it (NaN before any)."""
-        return np.where(self.drafts > 0, self.level_sums / np.maximum(self.drafts, 1), np.nan)
+        if self._levels is None:
+            self._levels = np.where(self.drafts > 0, self.level_sums / np.maximum(self.drafts, 1), np.nan)
+        return self._levels
 
     def slopes(self) -> np.ndarray:
         """Per bucket, the least-squares slope of y on x, >= 0, shrunk by n / (n + SLOPE_PAIRS);

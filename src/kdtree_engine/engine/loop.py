@@ -41,6 +41,7 @@ from kdtree_engine.engine import checks
 from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, bucket_sums, path_probabilities
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
+from kdtree_engine.engine.requests import OnTokens, Requests
 from kdtree_engine.engine.sampling import accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
 from kdtree_engine.engine.text import StopStringMatcher
@@ -58,53 +59,11 @@ from kdtree_engine.tree import (
 
 __all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "Runner", "chain_tree", "generate"]
 
-OnTokens = Callable[[int, list[int]], None]
-
 
 @dataclass
 class GenerationOutput:
     tokens: list[list[int]]  # new tokens per request, prompt excluded, cut after the first stop token
     stats: GenerationStats
-
-
-class _Requests:
-    """Committed output per request; a request stops at its token limit, after a stop token, or at the
-    token that completes a stop string (matchers: one StopStringMatcher per request, or None)."""
-
-    def __init__(
-        self,
-        limits: list[int],
-        stops: frozenset[int],
-        on_tokens: OnTokens | None,
-        matchers: list[StopStringMatcher] | None = None,
-    ) -> None:
-        self.tokens: list[list[int]] = [[] for _ in limits]
-        self.limits, self.stops, self.on_tokens, self.matchers = limits, stops, on_tokens, matchers
-        self.active = [n > 0 for n in limits]
-
-    def commit(self, b: int, new: list[int]) -> int:
-        """Appends what request b keeps of `new` (its tokens of the round, in order) and streams it;
-        returns how many tokens it kept."""
-        new = new[: self.limits[b] - len(self.tokens[b])]
-        end = self._stop(b, new)
-        if end is not None:
-            new = new[:end]
-            self.active[b] = False
-        self.tokens[b].extend(new)
-        if len(self.tokens[b]) >= self.limits[b]:
-            self.active[b] = False
-        if self.on_tokens is not None and new:
-            self.on_tokens(b, new)
-        return len(new)
-
-    def _stop(self, b: int, new: list[int]) -> int | None:
-        """How many of `new` to keep when a stop token or a stop string ends request b in them: up to
-        and including the first stop token or the token completing a stop string, whichever is first."""
-        end = next((i + 1 for i, t in enumerate(new) if t in self.stops), None)
-        if self.matchers is not None:
-            hit = self.matchers[b].feed(new[:end])
-            end = hit if hit is not None else end
-        return end
 
 
 def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
@@ -165,7 +124,7 @@ class _Run:
     noise_seed: int  # config.seed mod 2^64: the key of the sampled mode's counter-based noise
     limit: int | None  # the target's context length (positions < limit)
     max_len: int  # cache rows per request
-    reqs: _Requests
+    reqs: Requests
     stats: GenerationStats
     timer: StageTimer
     draws: int = 0  # target-token choices so far: the noise offset of the next one
@@ -215,9 +174,8 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None) -
                          logits_rows=lens - 1, row_invariant=run.config.row_invariant)  # fmt: skip
         bonus = _pick(run, out.logits[:, 0])  # [B]
     run.stats.target_forwards += 1
-    for r, t in enumerate(bonus.tolist()):
-        run.reqs.commit(r, [t])
-    active = torch.tensor(run.reqs.active, device=lens.device)
+    run.reqs.commit_round(bonus.cpu().numpy().astype(np.int64)[:, None], np.ones(b, dtype=np.int64))
+    active = torch.from_numpy(run.reqs.active.copy()).to(lens.device)
     if state is None:
         dcache = run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None
         state = _State(cache=cache, dcache=dcache, start=lens.clone(), bonus=bonus.clone(), active=active,
@@ -512,33 +470,31 @@ class _HostCopy:
         any later round's)."""
         self.in_flight.clear()
 
-    def read(self, sums: int = 0) -> tuple[list[list[int]], list[int], np.ndarray | None]:
-        """Waits for the oldest round in flight and returns its (tokens per request, counts, and the
-        last `sums` columns as float64 [requests, sums], or None)."""
+    def read(self, sums: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Waits for the oldest round in flight and returns its (token slots [requests, slots] int64,
+        counts [requests] int64, and the last `sums` columns as float64 [requests, sums], or None):
+        copies, since the slot is written again by a later round."""
         slot = self.in_flight.pop(0)
         if self.events[slot] is not None:
             self.events[slot].synchronize()
-        data = self.slots[slot]
-        body = data[:, : data.shape[1] - sums] if sums else data
-        rows = body.tolist()
-        floats = None
-        if sums:  # a copy: the slot is written again by a later round
-            floats = data[:, data.shape[1] - sums :].contiguous().view(torch.float64).numpy().copy()
-        return [r[1:] for r in rows], [r[0] for r in rows], floats
+        data = self.slots[slot].numpy()
+        width = data.shape[1] - sums
+        floats = data[:, width:].view(np.float64).copy() if sums else None
+        return data[:, 1:width].copy(), data[:, 0].copy(), floats
 
 
-def _commit(run: _Run, state: _State, tokens: list[list[int]], counts: list[int]) -> None:
+def _commit(run: _Run, state: _State, tokens: np.ndarray, counts: np.ndarray) -> None:
     """Hands each running request its tokens of the round; tells the device which requests are done
     (a copy from pinned memory in stream order: the rounds enqueued after it see it; a round already in
     flight still runs the request, and the host drops what it commits)."""
-    was = list(run.reqs.active)
-    for r, (toks, n) in enumerate(zip(tokens, counts)):
-        if was[r]:
-            kept = run.reqs.commit(r, toks[:n])
-            if run.config.method != "autoregressive":
-                run.stats.accept_lengths.append(kept)
-    if run.reqs.active != was:
-        active = torch.tensor(run.reqs.active, pin_memory=state.active.device.type == "cuda")
+    was = run.reqs.active
+    kept, changed = run.reqs.commit_round(tokens, counts)
+    if run.config.method != "autoregressive":
+        run.stats.accept_lengths.extend(kept[was].tolist())
+    if changed:
+        active = torch.from_numpy(run.reqs.active.copy())
+        if state.active.device.type == "cuda":
+            active = active.pin_memory()
         state.active.copy_(active, non_blocking=True)
 
 
@@ -552,9 +508,7 @@ def _pipelined(run: _Run, device: torch.device) -> bool:
 def _surely_last(run: _Run) -> bool:
     """True when the round in flight finishes every running request whatever it accepts (it commits at
     least one token to each): no round need be enqueued after it."""
-    return all(
-        len(t) + 1 >= limit for t, limit, on in zip(run.reqs.tokens, run.reqs.limits, run.reqs.active) if on
-    )
+    return run.reqs.surely_done_after_one()
 
 
 @dataclass
@@ -631,14 +585,14 @@ class _Rounds:
         self.host.send(self.state)
         self.flight.append(entry)
 
-    def read(self) -> tuple[list[list[int]], list[int]]:
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest round's (tokens per request, counts); the auto budget's policy learns from it."""
         entry = self.flight.pop(0)
         sums = len(self.stages.buckets) if self.policy is not None else 0
         tokens, counts, floats = self.host.read(sums)
         if self.policy is not None:
             seconds, self.last_read = self._cost(entry), time.perf_counter()
-            rows = [r for r, on in enumerate(self.run.reqs.active) if on]
+            rows = np.flatnonzero(self.run.reqs.active)
             j = self.stages.buckets.index(entry.bucket)
             spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0, j])
             self.policy.observe(entry.bucket, seconds, rows, counts, floats if spec else None)
@@ -691,7 +645,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
     speculative = run.config.method != "autoregressive"
     graphs_wanted, ahead = _use_graphs(run, device), _pipelined(run, device)
     run.stats.cuda_graphs = rounds.graphs is not None
-    while any(run.reqs.active):
+    while run.reqs.running():
         if rounds.in_flight == 0:
             rounds.enqueue(rounds.pick())
         if ahead and (rounds.graphs is not None or not graphs_wanted) and not _surely_last(run):
@@ -703,10 +657,10 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
         run.stats.drafter_forwards += int(speculative and (rounds.policy is None or bucket > 0))
         with run.timer.host_stage("commit"):
             _commit(run, state, tokens, counts)
-        if not any(run.reqs.active):
+        if not run.reqs.running():
             rounds.discard()
         run.timer.collect(wait=False)
-        if graphs_wanted and any(run.reqs.active) and rounds.uncaptured(order):
+        if graphs_wanted and run.reqs.running() and rounds.uncaptured(order):
             t0 = run.timer.now()  # a device sync: only before a capture, never in a steady round
             rounds.capture(order)
             run.stats.cuda_graphs = True
@@ -795,8 +749,8 @@ class Runner:
         sizes = self._sizes([len(p) for p in prompts])
         stats = GenerationStats(method=self.config.method, batch_size=len(prompts))
         timer = StageTimer(self.device, enabled=stage_timing)
-        reqs = _Requests(limits=sizes.limits, stops=stops, on_tokens=on_tokens, matchers=matchers)
-        if not any(reqs.active):
+        reqs = Requests(limits=sizes.limits, stops=stops, on_tokens=on_tokens, matchers=matchers)
+        if not reqs.running():
             return GenerationOutput(tokens=reqs.tokens, stats=stats)
         run = _Run(target=self.target, drafter=self.drafter, config=self.config, budget=sizes.budget,
                    noise_seed=self.config.seed % 2**64, limit=limit, max_len=self.sizes.max_len, reqs=reqs,
@@ -812,7 +766,7 @@ class Runner:
             stats.budget_report = self._rounds.policy.report()
         stats.wall_time = timer.now() - t0
         stats.stage_times = dict(timer.times)
-        stats.new_tokens = [len(t) for t in reqs.tokens]
+        stats.new_tokens = reqs.lengths.tolist()
         return GenerationOutput(tokens=reqs.tokens, stats=stats)
 
 

@@ -1,0 +1,84 @@
+"""The host's own work per decoding round, without a model: the engine loop's host steps (the copy
+read, the commit of the round's tokens to the requests, and with the auto budget the policy's observe
+and pick) driven with synthetic rounds of random committed counts and tokens, timed in a tight loop.
+
+On a GPU machine the host does nothing else between rounds but replay graphs, so these steps' cost is
+what it adds to a round when the host is the bottleneck (`scripts/round_host_time.py` measures them
+inside real runs on the GPU). On the CPU, timing them inside real runs measures mostly the torch
+computation just before them (the first Python operations after a forward run many times slower), so
+this script isolates them.
+
+    python scripts/host_round_cost.py [--batch 1 16 64] [--rounds 2000] [--slots 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kdtree_engine.engine import loop
+from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+from kdtree_engine.engine.requests import Requests
+from kdtree_engine.engine.stats import GenerationStats
+
+
+def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, seed: int = 0) -> dict[str, float]:
+    """Microseconds per round of each host step, over `rounds` synthetic rounds at `batch` requests
+    (token limit past the last round, so that every request runs throughout)."""
+    rng = np.random.default_rng(seed)
+    sums = len(AUTO_BUCKETS) if auto else 0
+    committed = torch.zeros(batch, 1 + slots + sums, dtype=torch.int64)
+    state = SimpleNamespace(committed=committed, active=torch.ones(batch, dtype=torch.bool))
+    stats = GenerationStats(method="ddtree", batch_size=batch)
+    reqs = Requests([rounds * slots + 1] * batch, frozenset({0}), None)
+    run = SimpleNamespace(reqs=reqs, stats=stats, config=SimpleNamespace(method="ddtree"))
+    host = loop._HostCopy(state)
+    policy = BudgetPolicy(AUTO_BUCKETS, slots) if auto else None
+    seconds = dict.fromkeys(("read", "commit", "pick", "observe"), 0.0)
+    bucket = AUTO_BUCKETS[-1]
+    for r in range(rounds):
+        counts = rng.integers(1, 4, batch)
+        committed[:, 0] = torch.from_numpy(counts)
+        committed[:, 1 : 1 + slots] = torch.from_numpy(rng.integers(1, 1000, (batch, slots)))
+        if auto:
+            floats = rng.random((batch, sums)) * 3
+            committed[:, 1 + slots :] = torch.from_numpy(floats).view(torch.int64)
+        host.send(state)
+        t0 = time.perf_counter()
+        tokens, counts, floats = host.read(sums)
+        t1 = time.perf_counter()
+        if policy is not None:
+            rows = np.flatnonzero(np.asarray(run.reqs.active))
+            policy.observe(bucket, 1e-3 * (1 + bucket / 64), rows, counts, floats if bucket else None)
+        t2 = time.perf_counter()
+        loop._commit(run, state, tokens, counts)
+        t3 = time.perf_counter()
+        if policy is not None:
+            bucket = policy.pick(run.reqs.active, must_draft=r == 0)
+        t4 = time.perf_counter()
+        for key, dt in (("read", t1 - t0), ("observe", t2 - t1), ("commit", t3 - t2), ("pick", t4 - t3)):
+            seconds[key] += dt
+    return {k: v / rounds * 1e6 for k, v in seconds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=2000)
+    parser.add_argument("--slots", type=int, default=16, help="token slots per round (the drafter's L + 1)")
+    args = parser.parse_args()
+    print("| batch | budget | read | commit | observe | pick | total (us per round) |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in args.batch:
+        for auto in (False, True):
+            t = timed_rounds(batch, args.rounds, args.slots, auto)
+            cells = " | ".join(f"{t[k]:.1f}" for k in ("read", "commit", "observe", "pick"))
+            print(f"| {batch} | {'auto' if auto else 'fixed'} | {cells} | {sum(t.values()):.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The host's record of a generate() call's requests: each one's committed tokens, whether it still
+runs, and the commit of a round's tokens for the whole batch at once.
+
+A round hands the host, per request row, a count n and a row of token slots (the first n are the
+round's committed tokens). `Requests.commit_round` keeps, per running request, at most what its token
+limit allows, cut after the first stop token and at the token whose text completes a stop string,
+and appends it: numpy over [requests, slots], so that the host's work per round does not grow with
+the batch in Python (the stop strings, which decode text, and the streaming callback run per request
+that has new tokens, and only when they are set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kdtree_engine.engine.text import StopStringMatcher
+
+OnTokens = Callable[[int, list[int]], None]
+
+
+class Requests:
+    """Committed output per request (`limits`: the most tokens each may commit; `stops`: stop token
+    ids; `on_tokens(b, tokens)`: called with each request's new tokens; `matchers`: one
+    StopStringMatcher per request, or None). A request stops at its limit, after a stop token (kept),
+    or at the token that completes a stop string (kept)."""
+
+    def __init__(
+        self,
+        limits: list[int],
+        stops: frozenset[int],
+        on_tokens: OnTokens | None,
+        matchers: list[StopStringMatcher] | None = None,
+    ) -> None:
+        self.limits = np.asarray(limits, dtype=np.int64)
+        self.lengths = np.zeros(len(limits), dtype=np.int64)
+        self.active = self.limits > 0  # [requests] bool
+        self.stops = np.array(sorted(stops), dtype=np.int64)
+        self.on_tokens, self.matchers = on_tokens, matchers
+        self._out = np.zeros((len(limits), 0), dtype=np.int64)  # committed tokens, grown on demand
+        self._cols = np.arange(0)
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each request's committed tokens."""
+        return [row[:n].tolist() for row, n in zip(self._out, self.lengths.tolist())]
+
+    def running(self) -> bool:
+        return bool(self.active.any())
+
+    def surely_done_after_one(self) -> bool:
+        """True when one more committed token ends every running request (its limit)."""
+        return bool(np.all((self.lengths + 1 >= self.limits) | ~self.active))
+
+    def commit_round(self, tokens: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bool]:
+        """tokens [requests, slots] int64, counts [requests] int64: the round's committed tokens per
+        request row (the first counts[b] slots). Appends what each running request keeps, streams it,
+        stops the requests it ends. Returns (how many tokens each request kept, [requests] int64, 0 for
+        those not running; whether a request stopped)."""
+        slots = tokens.shape[1]
+        kept = np.minimum(np.minimum(counts, self.limits - self.lengths), slots) * self.active
+        in_round = self._columns(slots) < kept[:, None]  # [requests, slots]: the slots kept so far
+        stopped = None
+        if self.stops.size:
+            hit = (tokens[:, :, None] == self.stops).any(axis=2) & in_round
+            stopped = hit.any(axis=1)
+            if stopped.any():
+                kept = np.where(stopped, hit.argmax(axis=1) + 1, kept)
+                in_round = self._columns(slots) < kept[:, None]
+        if self.matchers is not None:
+            for b in np.flatnonzero(kept).tolist():
+                end = self.matchers[b].feed(tokens[b, : kept[b]].tolist())
+                if end is not None:
+                    stopped = np.zeros(len(kept), dtype=bool) if stopped is None else stopped
+                    kept[b], stopped[b] = end, True
+                    in_round[b] = self._columns(slots) < end
+        self._append(tokens, kept, in_round)
+        ended = self.active & (self.lengths >= self.limits)
+        if stopped is not None:
+            ended |= stopped & self.active
+        changed = bool(ended.any())
+        if changed:
+            self.active = self.active & ~ended  # a new array: callers may hold the old one
+        if self.on_tokens is not None:
+            for b in np.flatnonzero(kept).tolist():
+                self.on_tokens(b, tokens[b, : kept[b]].tolist())
+        return kept, changed
+
+    def _columns(self, slots: int) -> np.ndarray:
+        """0 .. slots - 1 (kept between rounds)."""
+        if self._cols.shape[0] != slots:
+            self._cols = np.arange(slots)
+        return self._cols
+
+    def _append(self, tokens: np.ndarray, kept: np.ndarray, in_round: np.ndarray) -> None:
+        """Writes each row's first kept[b] tokens (in_round: those slots) after its committed ones."""
+        end = self.lengths + kept
+        need = int(end.max()) if end.size else 0
+        if need > self._out.shape[1]:
+            width = max(need, min(2 * self._out.shape[1] + 64, int(self.limits.max())))
+            grown = np.zeros((self._out.shape[0], width), dtype=np.int64)
+            grown[:, : self._out.shape[1]] = self._out
+            self._out = grown
+        rows, cols = np.nonzero(in_round)
+        self._out[rows, self.lengths[rows] + cols] = tokens[rows, cols]
+        self.lengths = end
