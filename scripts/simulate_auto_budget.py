@@ -1,0 +1,31 @@
+"""The auto budget's policy on simulated static batches (kdtree_engine.bench.auto_sim): per setting,
+tokens per second of autoregressive decoding, every fixed bucket and auto on the same requests, auto
+against the best of them, and the buckets auto picked. A model of rounds, not a measurement: it
+checks the policy's logic on the CPU.
+
+    python scripts/simulate_auto_budget.py [--seeds 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kdtree_engine.bench.auto_sim import SCENARIOS, compare
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=16, help="groups of 3 calls per setting")
+    args = parser.parse_args()
+    print("| setting | AR | best fixed (which) | auto | auto / best | auto's buckets (rounds) |")
+    print("|---|---|---|---|---|---|")
+    for sc in SCENARIOS:
+        r = compare(sc, seeds=args.seeds)
+        rates = r["rates"]
+        picks = " ".join(f"{k}:{n}" for k, n in r["picks"].items())
+        print(f"| {sc.name} | {rates['autoregressive']:.0f} | {rates[r['best']]:.0f} ({r['best']}) | "
+              f"{rates['auto']:.0f} | {r['auto_over_best']:.3f} | {picks} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""A simulator of the auto budget's choices on a static batch, without a model: the engine's own
+`BudgetPolicy` picks and observes synthetic rounds whose acceptance and cost follow a stated model, and
+the calls' tokens per second are compared with autoregressive decoding and every fixed bucket on the
+same requests. It checks the policy's logic (the estimator, the choice, the pipelined reads, the
+static batch's tail) on the CPU, where no real round costs what it costs on a GPU; it measures nothing
+about a GPU. `scripts/simulate_auto_budget.py` prints its table.
+
+The model of a round. Request b has a skill s_b (a logit, drawn once per call) and a difficulty e that
+follows an AR(1) process over its rounds (`persistence`, `round_noise`): its per-step acceptance is
+a = sigmoid(s_b + e). A tree of bucket n reaches depth DEPTH[n] and, being wider, turns a step's
+rejection chance 1 - a into (1 - a) WIDTH[n]; the drafted tokens it accepts are the leading steps whose
+uniform falls under its step acceptance (the uniforms shared by every bucket, so a larger tree never
+accepts less on the same round). The draft's sums S_b(k) (what the engine's compile stage hands the
+policy) are the expected accepted tokens at each bucket k <= n under the drafter's view of a, which
+is off by a normal error of sd `draft_noise` on the logit. A round of bucket n costs COSTS[n] at this
+batch, times a small noise; an autoregressive step commits one token.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+
+DEPTH = {4: 3, 8: 4, 16: 6, 32: 8, 64: 10}  # the deepest node of a tree of n nodes (best-first)
+WIDTH = {4: 1.0, 8: 0.8, 16: 0.65, 32: 0.55, 64: 0.5}  # a step's rejection chance, relative to a chain
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One simulated setting: the batch, the round costs in ms per bucket (0: an autoregressive step;
+    `plain_ar_ms`: plain decoding's step, which feeds no drafter), and the acceptance model."""
+
+    name: str
+    batch: int
+    costs_ms: dict[int, float]
+    plain_ar_ms: float
+    skill_mean: float = 1.5
+    skill_spread: float = 0.7
+    persistence: float = 0.8
+    round_noise: float = 0.8
+    draft_noise: float = 0.3
+    tokens: int = 128
+    cost_noise: float = 0.03
+
+
+@dataclass
+class _Requests:
+    """The simulated requests of one call: skills, difficulties, committed counts."""
+
+    skill: np.ndarray
+    difficulty: np.ndarray
+    committed: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.committed = np.zeros(self.skill.shape[0], dtype=np.int64)
+
+
+def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
+    skill = rng.normal(sc.skill_mean, sc.skill_spread, sc.batch)
+    return _Requests(skill, rng.normal(0.0, sc.round_noise, sc.batch))
+
+
+def _step_acceptance(logit: np.ndarray, n: int) -> np.ndarray:
+    return 1.0 - (1.0 - 1.0 / (1.0 + np.exp(-logit))) * WIDTH[n]
+
+
+def _round(sc: Scenario, reqs: _Requests, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """One round of bucket n for every request: (committed tokens [B], sums [B, buckets], NaN past n).
+    Advances the difficulties."""
+    b = sc.batch
+    buckets = AUTO_BUCKETS
+    sums = np.full((b, len(buckets)), np.nan)
+    if n == 0:
+        counts = np.ones(b, dtype=np.int64)
+    else:
+        logit = reqs.skill + reqs.difficulty
+        view = logit + rng.normal(0.0, sc.draft_noise, b)
+        u = rng.random((b, max(DEPTH.values())))[:, : DEPTH[n]]  # the same uniforms for every bucket
+        steps = u < _step_acceptance(logit, n)[:, None]
+        counts = 1 + np.cumprod(steps, axis=1).sum(axis=1)
+        for j, k in enumerate(buckets):
+            if k == 0:
+                sums[:, j] = 0.0
+            elif k <= n:
+                a = _step_acceptance(view, k)
+                sums[:, j] = sum(a**d for d in range(1, DEPTH[k] + 1))
+    shock = rng.normal(0.0, sc.round_noise * np.sqrt(1.0 - sc.persistence**2), b)
+    reqs.difficulty = sc.persistence * reqs.difficulty + shock
+    return counts, sums
+
+
+def _cost(sc: Scenario, n: int, rng: np.random.Generator, plain: bool) -> float:
+    ms = sc.plain_ar_ms if (plain and n == 0) else sc.costs_ms[n]
+    return ms * 1e-3 * (1.0 + sc.cost_noise * rng.standard_normal())
+
+
+def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy | None = None) -> dict:
+    """One static call: every request decodes sc.tokens tokens (the prefill's first one included).
+    bucket: a fixed bucket (0: plain autoregressive decoding), or None for the policy's choice. Returns
+    the call's seconds, rounds and the buckets picked. Rounds are pipelined as on CUDA: the pick of
+    round k + 1 is made before round k is read."""
+    rng = np.random.default_rng(seed)
+    reqs = _new_requests(sc, rng)
+    reqs.committed[:] = 1  # the prefill's token
+    seconds, picks = 0.0, []
+    flight: deque = deque()
+    first = True
+
+    def running() -> np.ndarray:
+        return reqs.committed < sc.tokens
+
+    def pick() -> int:
+        nonlocal first
+        if policy is None:
+            return bucket
+        k = policy.pick(running(), must_draft=first)
+        first = False
+        return k
+
+    while running().any():
+        if not flight:
+            flight.append(pick())
+        if policy is not None and not np.all(reqs.committed + 1 >= sc.tokens):
+            flight.append(pick())
+        n = flight.popleft()
+        rows = np.flatnonzero(running())
+        counts, sums = _round(sc, reqs, n, rng)
+        cost = _cost(sc, n, rng, plain=policy is None)
+        seconds += cost
+        picks.append(n)
+        if policy is not None:
+            policy.observe(n, cost, rows, counts, sums if n else None)
+        reqs.committed = np.minimum(reqs.committed + np.where(running(), counts, 0), sc.tokens)
+    if policy is not None and flight:  # the round enqueued past the end: its device time is spent
+        seconds += _cost(sc, flight.popleft(), rng, plain=False)
+    return {"seconds": seconds, "rounds": len(picks), "picks": picks}
+
+
+# Settings whose round costs have the shape of kimi-nano's on the GPU (docs/engine.md, "Budget auto";
+# ms per round, autoregressive step first) and whose acceptance is greedy-like (high, persistent from
+# round to round) or sampled-like (lower, hardly persistent). Illustrative: the acceptance model is
+# not fitted to the drafter.
+B1 = {0: 0.50, 4: 0.95, 8: 1.0, 16: 1.05, 32: 1.15, 64: 1.35}
+B4 = {0: 0.50, 4: 0.97, 8: 1.02, 16: 1.1, 32: 1.25, 64: 1.6}
+B16 = {0: 0.55, 4: 1.0, 8: 1.1, 16: 1.2, 32: 1.5, 64: 2.2}
+B64 = {0: 0.64, 4: 1.17, 8: 1.32, 16: 1.5, 32: 2.0, 64: 3.0}
+GREEDY = dict(skill_mean=2.0, persistence=0.9, round_noise=1.0)
+SAMPLED = dict(persistence=0.3, round_noise=1.0)
+SCENARIOS = (
+    Scenario("batch 1, greedy-like", 1, B1, B1[0], **GREEDY),
+    Scenario("batch 1, sampled-like", 1, B1, B1[0], skill_mean=0.0, **SAMPLED),
+    Scenario("batch 4, sampled-like", 4, B4, B4[0], skill_mean=0.8, **SAMPLED),
+    Scenario("batch 16, greedy-like", 16, B16, B16[0], **GREEDY),
+    Scenario("batch 64, greedy-like", 64, B64, B64[0], **{**GREEDY, "skill_mean": 2.5}),
+    Scenario("batch 64, sampled-like", 64, B64, B64[0], skill_mean=0.5, **SAMPLED),
+)
+
+
+def compare(sc: Scenario, calls: int = 3, seeds: int = 8) -> dict:
+    """Tokens per second of autoregressive decoding, every fixed bucket and auto on the same requests:
+    per setting, `seeds` groups of `calls` calls on one policy (as a Runner keeps its costs and
+    calibration), the last call of each group timed."""
+    total = sc.batch * sc.tokens
+    rates: dict[str, float] = {}
+    for k in AUTO_BUCKETS:
+        t = sum(run_call(sc, 1000 * s + calls - 1, k)["seconds"] for s in range(seeds))
+        rates["autoregressive" if k == 0 else f"bucket {k}"] = seeds * total / t
+    t, picks = 0.0, []
+    for s in range(seeds):
+        policy = BudgetPolicy(AUTO_BUCKETS, 16)
+        for c in range(calls):
+            policy.new_call()
+            out = run_call(sc, 1000 * s + c, None, policy)
+        t += out["seconds"]
+        picks += out["picks"]
+    rates["auto"] = seeds * total / t
+    best = max((v, k) for k, v in rates.items() if k != "auto")
+    hist = {k: picks.count(k) for k in AUTO_BUCKETS if picks.count(k)}
+    return {"rates": rates, "best": best[1], "auto_over_best": rates["auto"] / best[0],
+            "auto_over_ar": rates["auto"] / rates["autoregressive"], "picks": hist}  # fmt: skip
