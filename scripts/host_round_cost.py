@@ -58,7 +58,7 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, seed: int = 0)
         loop._commit(run, state, tokens, counts)
         t3 = time.perf_counter()
         if policy is not None:
-            bucket = policy.pick(run.reqs.active, must_draft=r == 0)
+            bucket = policy.pick(run.reqs.active, r == 0, reqs.limits - reqs.lengths)
         t4 = time.perf_counter()
         for key, dt in (("read", t1 - t0), ("observe", t2 - t1), ("commit", t3 - t2), ("pick", t4 - t3)):
             seconds[key] += dt

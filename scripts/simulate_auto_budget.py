@@ -3,7 +3,10 @@ tokens per second of autoregressive decoding, every fixed bucket and auto on the
 against the best of them, and the buckets auto picked. A model of rounds, not a measurement: it
 checks the policy's logic on the CPU.
 
-    python scripts/simulate_auto_budget.py [--seeds 16]
+    python scripts/simulate_auto_budget.py [--seeds 16] [--refilled]
+
+--refilled runs the policy as for a batch whose finished rows are refilled (it is not told the tokens
+each request has left, so it has no static call's test): the rule alone.
 """
 
 from __future__ import annotations
@@ -16,11 +19,12 @@ from kdtree_engine.bench.auto_sim import SCENARIOS, compare
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=16, help="groups of 3 calls per setting")
+    parser.add_argument("--refilled", action="store_true", help="no static call's test (the rule alone)")
     args = parser.parse_args()
     print("| setting | AR | best fixed (which) | auto | auto / best | auto's buckets (rounds) |")
     print("|---|---|---|---|---|---|")
     for sc in SCENARIOS:
-        r = compare(sc, seeds=args.seeds)
+        r = compare(sc, seeds=args.seeds, static=not args.refilled)
         rates = r["rates"]
         picks = " ".join(f"{k}:{n}" for k, n in r["picks"].items())
         print(f"| {sc.name} | {rates['autoregressive']:.0f} | {rates[r['best']]:.0f} ({r['best']}) | "

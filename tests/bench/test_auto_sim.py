@@ -55,14 +55,15 @@ def test_auto_settles_on_autoregressive_decoding_when_every_tree_is_dear():
     assert r["picks"][0] > 0.7 * sum(r["picks"].values())
 
 
-TAIL = "issue 28, open: the rule sums tokens per second over running requests; a static call waits for all"
-
-
-@pytest.mark.xfail(strict=True, reason=TAIL)
-def test_auto_is_near_the_best_on_a_static_batch_where_speculation_does_not_pay():
+def test_on_a_static_batch_where_speculation_does_not_pay_auto_steps():
+    """Batch 64, sampled-like: speculation commits more tokens per second summed over the running
+    requests, but the call waits for its last request. Told each request's tokens left (as generate()
+    tells it), auto steps autoregressively (engine.budget_call); without that it drafts and loses."""
     sc = next(s for s in auto_sim.SCENARIOS if s.name == "batch 64, sampled-like")
-    r = auto_sim.compare(sc, seeds=4)
-    assert r["best"] == "autoregressive" and r["auto_over_best"] >= 0.97
+    told = auto_sim.compare(sc, seeds=4)
+    assert told["best"] == "autoregressive" and told["auto_over_best"] >= 0.95
+    assert told["picks"][0] > 0.9 * sum(told["picks"].values())
+    assert auto_sim.compare(sc, seeds=4, static=False)["auto_over_best"] < 0.9
 
 
 def test_auto_speculates_when_trees_are_cheap():

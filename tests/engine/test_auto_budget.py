@@ -36,10 +36,10 @@ def test_auto_tries_every_bucket_and_stays_greedy(monkeypatch, pipelined):
     assert _context_complete(runner)
 
 
-def test_cheap_autoregressive_steps_still_draft_every_l_plus_one_rounds(monkeypatch):
+def test_cheap_autoregressive_steps_still_draft_every_step_rounds_blocks(monkeypatch):
     """With autoregressive rounds measured cheap and every tree dear, the policy steps autoregressively
-    and drafts once every L + 1 rounds (the drafter's context holds no more); an oracle drafter then
-    gets whole blocks accepted, and the output stays greedy."""
+    and drafts once every STEP_ROUNDS (L + 1) rounds (the drafter's context holds no more); an oracle
+    drafter then gets whole blocks accepted, and the output stays greedy."""
     monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1e-9 if k == 0 else 1.0)
     target = tiny_target(4)
     prompts = random_prompts(5, [7, 4], target.config.vocab_size)
@@ -50,7 +50,7 @@ def test_cheap_autoregressive_steps_still_draft_every_l_plus_one_rounds(monkeypa
     assert out.tokens == greedy_generate(target, prompts, n)
     budgets = out.stats.budgets
     streaks = "".join("0" if k == 0 else "x" for k in budgets).split("x")
-    assert budgets[0] > 0 and max(len(z) for z in streaks) == block  # L + 1 = block size
+    assert budgets[0] > 0 and max(len(z) for z in streaks) == loop.STEP_ROUNDS * block  # L + 1 = block
 
 
 def test_context_is_complete_after_autoregressive_rounds_with_a_real_drafter(monkeypatch):
@@ -100,9 +100,10 @@ def test_a_round_costs_the_host_clock_between_reads_on_cuda():
 
 
 @pytest.mark.parametrize("steps", [False, True])
-def test_a_draft_reads_the_half_buffer_unless_autoregressive_steps_came_before(monkeypatch, steps):
-    """The context buffer holds two rounds' rows; a draft right after a speculative round reads the
-    first L + 1 rows only, one after autoregressive steps the whole buffer; output stays greedy."""
+def test_a_draft_reads_one_round_unless_autoregressive_steps_came_before(monkeypatch, steps):
+    """The context buffer holds a round's rows and STEP_ROUNDS rounds' more; a draft right after a
+    speculative round reads the first L + 1 rows only, one after autoregressive steps the whole
+    buffer; output stays greedy."""
     cheap = (lambda self, k: 1e-9 if k == 0 else 1.0) if steps else (lambda self, k: 1.0 if k == 0 else 1e-9)
     monkeypatch.setattr(CostTable, "estimate", cheap)
     target, drafter = tiny_target(2), tiny_drafter(2, block_size=6)
@@ -117,7 +118,7 @@ def test_a_draft_reads_the_half_buffer_unless_autoregressive_steps_came_before(m
     out = generate(target, drafter, prompts, GenerationConfig(max_new_tokens=30, budget="auto"))
     assert out.tokens == greedy_generate(target, prompts, 30)
     assert widths[0] == 8  # the prompts
-    assert set(widths[1:]) == ({12} if steps else {6})
+    assert set(widths[1:]) == ({(1 + loop.STEP_ROUNDS) * 6} if steps else {6})
 
 
 def test_the_read_after_an_eager_enqueue_is_not_timed(monkeypatch):

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, STEP_ROUNDS, BudgetPolicy
 
+BLOCK = 16  # the drafter's block, L + 1
 DEPTH = {4: 3, 8: 4, 16: 6, 32: 8, 64: 10}  # the deepest node of a tree of n nodes (best-first)
 WIDTH = {4: 1.0, 8: 0.8, 16: 0.65, 32: 0.55, 64: 0.5}  # a step's rejection chance, relative to a chain
 
@@ -98,11 +99,13 @@ def _cost(sc: Scenario, n: int, rng: np.random.Generator, plain: bool) -> float:
     return ms * 1e-3 * (1.0 + sc.cost_noise * rng.standard_normal())
 
 
-def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy | None = None) -> dict:
+def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy | None = None,
+             static: bool = True) -> dict:  # fmt: skip
     """One static call: every request decodes sc.tokens tokens (the prefill's first one included).
     bucket: a fixed bucket (0: plain autoregressive decoding), or None for the policy's choice. Returns
     the call's seconds, rounds and the buckets picked. Rounds are pipelined as on CUDA: the pick of
-    round k + 1 is made before round k is read."""
+    round k + 1 is made before round k is read. static: the policy is told each request's tokens left
+    (as generate() tells it); False: not (its rule for a batch whose finished rows are refilled)."""
     rng = np.random.default_rng(seed)
     reqs = _new_requests(sc, rng)
     reqs.committed[:] = 1  # the prefill's token
@@ -117,7 +120,9 @@ def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy |
         nonlocal first
         if policy is None:
             return bucket
-        k = policy.pick(running(), must_draft=first)
+        k = policy.pick(
+            running(), must_draft=first, remaining=(sc.tokens - reqs.committed) if static else None
+        )
         first = False
         return k
 
@@ -160,7 +165,7 @@ SCENARIOS = (
 )
 
 
-def compare(sc: Scenario, calls: int = 3, seeds: int = 8) -> dict:
+def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -> dict:
     """Tokens per second of autoregressive decoding, every fixed bucket and auto on the same requests:
     per setting, `seeds` groups of `calls` calls on one policy (as a Runner keeps its costs and
     calibration), the last call of each group timed."""
@@ -171,10 +176,10 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8) -> dict:
         rates["autoregressive" if k == 0 else f"bucket {k}"] = seeds * total / t
     t, picks = 0.0, []
     for s in range(seeds):
-        policy = BudgetPolicy(AUTO_BUCKETS, 16)
+        policy = BudgetPolicy(AUTO_BUCKETS, STEP_ROUNDS * BLOCK)
         for c in range(calls):
             policy.new_call()
-            out = run_call(sc, 1000 * s + c, None, policy)
+            out = run_call(sc, 1000 * s + c, None, policy, static)
         t += out["seconds"]
         picks += out["picks"]
     rates["auto"] = seeds * total / t

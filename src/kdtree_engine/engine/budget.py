@@ -47,12 +47,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kdtree_engine.engine.budget_call import Paces, steady_call_seconds
+
 AUTO_BUCKETS = (0, 4, 8, 16, 32, 64)  # nodes verified per round besides the root
 COST_WINDOW = 16  # rounds per bucket whose median is its cost
 MIN_COST_ROUNDS = 3  # rounds measured before a bucket's median counts
 PRIOR_PAIRS = 4.0  # pseudo-pairs of the calibrated prediction in a bucket's mean acceptance
 SLOPE_PAIRS = 16.0  # pairs at which a bucket's fitted slope counts half
-STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
+STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many rounds' more: AR steps in a row
+STALE_DECAY = 0.5
+CALL_TEST_MARGIN = 0.2  # a static call's test this decisive (engine.budget_call) ...
+CALL_TEST_REUSE = (
+    8  # ... is kept for this many picks  # per autoregressive round, how much of a request's last S survives
+)
 
 
 def path_probabilities(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor,
@@ -99,9 +106,10 @@ class Calibration:
         k = len(self.buckets)
         self.accepted, self.predicted = np.zeros(k), np.zeros(k)
         self.level_sums, self.drafts = np.zeros(k), np.zeros(k)
-        self.n, self.sx, self.sy, self.sxx, self.sxy = (np.zeros(k) for _ in range(5))
+        self.n, self.sx, self.sy, self.sxx, self.sxy, self.misses = (np.zeros(k) for _ in range(6))
         self._coefficients: tuple[np.ndarray, np.ndarray] | None = None  # until the next observation
         self._levels: np.ndarray | None = None  # until the next draft read
+        self._long_run: tuple[np.ndarray, np.ndarray] | None = None  # while both of those are kept
         self._nearest: tuple[bytes, np.ndarray] | None = None  # (buckets tried, the one each borrows)
         self._sizes = np.asarray(self.buckets, dtype=np.float64)
 
@@ -110,7 +118,7 @@ class Calibration:
         (committed - 1) and the sum S the round's draft predicted for it."""
         self.accepted[j] += float(accepted.sum())
         self.predicted[j] += float(predicted.sum())
-        self._coefficients = None
+        self._coefficients = self._long_run = None
 
     def observe_drafts(self, sums: np.ndarray) -> None:
         """The S at every bucket of each request of a draft read ([requests, buckets]; NaN at the
@@ -118,17 +126,22 @@ class Calibration:
         known = ~np.isnan(sums)
         self.level_sums += np.where(known, sums, 0.0).sum(axis=0)
         self.drafts += known.sum(axis=0)
-        self._coefficients = self._levels = None
+        self._coefficients = self._levels = self._long_run = None
 
-    def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray) -> None:
+    def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray,
+                        expected: np.ndarray | None = None) -> None:  # fmt: skip
         """The requests of a round of bucket index j: the S at that bucket their choice saw, the
-        drafted tokens they then accepted."""
+        drafted tokens they then accepted, and the E their choice expected (the squared misses: what
+        a choice cannot foresee; None: the E the fit gives for that S now)."""
+        if expected is None:
+            expected = self.expected(seen[:, None].repeat(len(self.buckets), axis=1))[:, j]
         self.n[j] += seen.size
         self.sx[j] += seen.sum()
         self.sy[j] += accepted.sum()
         self.sxx[j] += (seen * seen).sum()
         self.sxy[j] += (seen * accepted).sum()
-        self._coefficients = None
+        self.misses[j] += ((accepted + 1.0 - expected) ** 2).sum()
+        self._coefficients = self._long_run = None
 
     def ratio(self, j: int) -> float:
         """r_n of bucket index j: accepted / predicted of this bucket, else of the nearest bucket with
@@ -180,11 +193,31 @@ class Calibration:
         zero = np.array(self.buckets) == 0
         return np.where(zero, 1.0, a), np.where(zero, 0.0, b)
 
+    def long_run(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ybar, var) per bucket: the drafted tokens a round accepts in the long run (E at the
+        bucket's level of S, less the bonus token; 0 before a draft built it) and the variance of what
+        a choice cannot foresee of them (the pairs' squared misses, shrunk towards a geometric count's
+        ybar (1 + ybar) by PRIOR_PAIRS pseudo-pairs); 0 and 0 for bucket 0."""
+        if self._long_run is not None:
+            return self._long_run  # nothing observed since
+        a, b = self.expected_coefficients()
+        levels = self.levels()
+        known = ~np.isnan(levels)
+        ybar = np.where(known, np.maximum(0.0, a + b * np.where(known, levels, 0.0) - 1.0), 0.0)
+        var = (self.misses + PRIOR_PAIRS * ybar * (1.0 + ybar)) / (self.n + PRIOR_PAIRS)
+        zero = self._sizes == 0
+        self._long_run = np.where(zero, 0.0, ybar), np.where(zero, 0.0, var)
+        return self._long_run
+
+    def expected_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
+        """coefficients(), kept until the next observation (autoregressive rounds teach nothing)."""
+        if self._coefficients is None:
+            self._coefficients = self.coefficients()
+        return self._coefficients
+
     def expected(self, seen: np.ndarray) -> np.ndarray:
         """E(n) of each request at each bucket ([requests, buckets]) for the S its choice sees."""
-        if self._coefficients is None:  # autoregressive rounds teach nothing: picks reuse them
-            self._coefficients = self.coefficients()
-        a, b = self._coefficients
+        a, b = self.expected_coefficients()
         return np.maximum(1.0, a + b * seen)
 
 
@@ -237,8 +270,9 @@ class _Choice:
 class BudgetPolicy:
     """The host side of the auto budget for one Runner (its cost table and calibration carry over to
     its later calls): picks each round's bucket from the last figures read, and learns from each round
-    read (rounds are read in the order they were picked). `depth`: L + 1, the most autoregressive
-    rounds in a row (the drafter's context holds the rows of one speculative round plus L + 1 more).
+    read (rounds are read in the order they were picked). `depth`: the most autoregressive rounds in
+    a row (engine.loop: the drafter's context holds the rows of one speculative round and
+    STEP_ROUNDS (L + 1) more: depth = STEP_ROUNDS (L + 1)).
     Host work per round: a few numpy operations over [requests, buckets], whatever the batch."""
 
     buckets: tuple[int, ...]
@@ -258,6 +292,7 @@ class BudgetPolicy:
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
         self.costs = CostTable(self.buckets)
+        self.paces = Paces()
         self.new_call()
 
     def new_call(self) -> None:
@@ -265,6 +300,8 @@ class BudgetPolicy:
         costs and the calibration carry over."""
         self.sums = np.zeros((0, len(self.buckets)))
         self.age = np.zeros(0)
+        self.paces.new_call()
+        self._test_answer, self._test_kept, self._test_left = False, 0, 0.0
         self.pending.clear()
         self.streak = 0
         for tally in (self.chosen, self.predicted, self.expected, self.observed, self.requests):
@@ -276,6 +313,7 @@ class BudgetPolicy:
         if more > 0:
             self.sums = np.concatenate([self.sums, np.full((more, len(self.buckets)), np.nan)])
             self.age = np.concatenate([self.age, np.zeros(more)])
+        self.paces.rows(count)
 
     def _seen(self, rows: np.ndarray) -> np.ndarray:
         """The S at every bucket the choice sees for the request rows: each one's last draft's, pulled
@@ -289,22 +327,61 @@ class BudgetPolicy:
         seen[np.isnan(seen)] = 0.0
         return seen
 
-    def pick(self, active: Sequence[bool], must_draft: bool) -> int:
+    def pick(self, active: Sequence[bool], must_draft: bool, remaining: Sequence[int] | None = None) -> int:
         """The bucket of the next round enqueued: the most expected tokens per second over the running
-        requests; a speculative one when the drafter must run (a call's first round, a full context)."""
+        requests; a speculative one when the drafter must run (a call's first round, a full context).
+        remaining: the tokens each request row has left in a static call (None: a batch whose finished
+        rows are refilled): then an autoregressive step whenever steps alone would end the call
+        soonest (engine.budget_call)."""
         must_draft = must_draft or self.streak >= self.depth
         self._rows(len(active))
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
-        expected = per_row.sum(axis=0)
-        allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
-        costs = [self.costs.estimate(self.buckets[j]) for j in allowed]
-        j = allowed[choose([float(expected[j]) for j in allowed], costs)]
+        if remaining is not None and not must_draft and self._call_test(rows, remaining):
+            j = self.buckets.index(0)
+        else:
+            expected = per_row.sum(axis=0)
+            allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
+            costs = [self.costs.estimate(self.buckets[j]) for j in allowed]
+            j = allowed[choose([float(expected[j]) for j in allowed], costs)]
         self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
+
+    def _call_test(self, rows: np.ndarray, remaining: Sequence[int]) -> bool:
+        """_steps_end_soonest, whose answer is kept for the next CALL_TEST_REUSE picks when one way
+        ends the call more than CALL_TEST_MARGIN sooner than the other, while the most tokens a request
+        has left is at least half what it was at the test (it changes slowly but near the call's end;
+        the test is the larger part of a pick's host work)."""
+        most = float(np.max(np.asarray(remaining)[rows])) if rows.size else 0.0
+        if self._test_kept > 0 and 2.0 * most >= self._test_left:
+            self._test_kept -= 1
+            return self._test_answer
+        steps, margin = self._steps_end_soonest(rows, remaining)
+        self._test_answer, self._test_left = steps, most
+        self._test_kept = CALL_TEST_REUSE if margin > CALL_TEST_MARGIN else 0
+        return steps
+
+    def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int]) -> tuple[bool, float]:
+        """Whether autoregressive steps would end the static call sooner than any bucket used for every
+        round from here (engine.budget_call), once every bucket's cost is measured; the tokens each
+        request has left less what the rounds picked and not read yet are expected to commit."""
+        if 0 not in self.buckets or rows.size == 0:
+            return False, 0.0
+        costs = np.array([self.costs.estimate(k) for k in self.buckets])
+        if (costs <= 0).any():
+            return False, 0.0
+        left = np.asarray(remaining, dtype=np.float64).copy()
+        for choice in self.pending:
+            left[choice.rows] -= choice.expected
+        ybar, variance = self.calibration.long_run()
+        pace, pace_variance = self.paces.estimate(rows)
+        seconds = steady_call_seconds(costs, np.maximum(left[rows], 1.0), ybar, variance, pace, pace_variance)
+        steps = seconds[self.buckets.index(0)]
+        trees = seconds[[j for j, k in enumerate(self.buckets) if k > 0]].min()
+        return bool(steps <= trees), float(max(steps, trees) / min(steps, trees) - 1.0)
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
                 sums: np.ndarray | Sequence[Sequence[float]] | None) -> None:  # fmt: skip
@@ -327,7 +404,10 @@ class BudgetPolicy:
             running = np.zeros(max(int(choice.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, bool)
             running[rows] = True
             same = running[choice.rows]  # rows still running: their acceptance is this round's
-            cal.observe_choices(j, choice.seen[same], committed[choice.rows[same]] - 1.0)
+            got = committed[choice.rows[same]] - 1.0
+            ybar, variance = cal.long_run()  # as they stood for this round's choice
+            self.paces.observe(choice.rows[same], got, float(ybar[j]), float(variance[j]))
+            cal.observe_choices(j, choice.seen[same], got, choice.expected[same])
             expected = float(choice.expected[same].sum())
         else:
             expected = float(len(rows))

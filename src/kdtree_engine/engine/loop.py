@@ -38,7 +38,13 @@ import numpy as np
 import torch
 
 from kdtree_engine.engine import checks
-from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, bucket_sums, path_probabilities
+from kdtree_engine.engine.budget import (
+    AUTO_BUCKETS,
+    STEP_ROUNDS,
+    BudgetPolicy,
+    bucket_sums,
+    path_probabilities,
+)
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
 from kdtree_engine.engine.requests import OnTokens, Requests
@@ -271,13 +277,13 @@ class _Stages:
 
     def draft(self, wide: bool = False) -> None:
         """The drafter on the features it has not seen: the prompts' in a call's first round, else those
-        of the rows committed since its last call. With the auto budget the context buffer holds two
-        rounds' rows: a draft after a speculative round reads its first half (at most L + 1 rows), one
-        after autoregressive steps (`wide`) the whole of it."""
+        of the rows committed since its last call. With the auto budget the context buffer holds the
+        rows of one round and STEP_ROUNDS (L + 1) more: a draft after a speculative round reads its
+        first L + 1 rows, one after autoregressive steps (`wide`) the whole of it."""
         run, s = self.run, self.s
         ctx = s.prompt_ctx if s.prompt_ctx is not None else s.ctx
         if s.prompt_ctx is None and run.config.auto_budget and not wide:
-            ctx = ctx[:, : ctx.shape[1] // 2]  # the rows of one round: the first half of the buffer
+            ctx = ctx[:, : run.drafter.block_size]  # the rows of one round: the buffer's first L + 1
         s.prompt_ctx = None
         self._put(
             "draft_logits",
@@ -342,7 +348,8 @@ class _Stages:
         hidden = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
         if self.run.config.auto_budget:  # room for the rows of the autoregressive steps after it
             if s.ctx is None:
-                s.ctx = hidden.new_zeros(hidden.shape[0], 2 * hidden.shape[1], hidden.shape[2])
+                rows = (1 + STEP_ROUNDS) * hidden.shape[1]
+                s.ctx = hidden.new_zeros(hidden.shape[0], rows, hidden.shape[2])
             s.ctx[:, : hidden.shape[1]].copy_(hidden)
         else:
             s.put("ctx", hidden)
@@ -536,7 +543,7 @@ class _Rounds:
         self.steps = 0  # autoregressive steps enqueued since the last draft (auto budget)
         self.eager = not _use_graphs(run, state.start.device)  # rounds never captured
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
-        depth = run.drafter.block_size if run.drafter is not None else 1
+        depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
         self.policy = BudgetPolicy(self.stages.buckets, depth) if auto else None
 
@@ -558,7 +565,8 @@ class _Rounds:
         """The next round's bucket (the one bucket of a fixed budget)."""
         if self.policy is None:
             return self.stages.buckets[0]
-        return self.policy.pick(self.run.reqs.active, must_draft=self.state.prompt_ctx is not None)
+        reqs = self.run.reqs
+        return self.policy.pick(reqs.active, self.state.prompt_ctx is not None, reqs.limits - reqs.lengths)
 
     def enqueue(self, bucket: int) -> None:
         order = self.stages.orders[bucket]

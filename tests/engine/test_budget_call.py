@@ -1,0 +1,102 @@
+"""engine.budget_call: the static call's test of the auto budget (autoregressive steps whenever they
+would end the call soonest), its pieces against known values, and the policy using it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, BudgetPolicy
+from kdtree_engine.engine.budget_call import Paces, expected_last, expected_max_normal, steady_call_seconds
+
+
+@pytest.mark.parametrize(
+    ("count", "value"), [(1, 0.0), (2, 1 / np.sqrt(np.pi)), (10, 1.53875), (100, 2.50759)]
+)
+def test_expected_max_normal_matches_the_tables(count, value):
+    assert expected_max_normal(count) == pytest.approx(value, abs=1e-4)
+
+
+def test_expected_last_of_like_requests_is_their_mean_plus_z_deviations():
+    rounds, var = np.full((64, 2), 10.0), np.array([[4.0, 0.0]] * 64)
+    got = expected_last(rounds, var)
+    assert got[0] == pytest.approx(10.0 + expected_max_normal(64) * 2.0) and got[1] == pytest.approx(10.0)
+    assert expected_last(np.array([[3.0, 7.0]]), np.array([[9.0, 9.0]])).tolist() == [3.0, 7.0]  # alone
+
+
+def test_expected_last_ignores_requests_far_ahead_of_the_slowest():
+    var = np.full((8, 1), 1.0)
+    one_slow = np.array([[5.0]] * 7 + [[50.0]])
+    assert expected_last(one_slow, var)[0] == pytest.approx(50.0, abs=1e-6)
+
+
+def test_steady_call_seconds_of_autoregressive_steps_are_exact():
+    costs = np.array([1e-3, 2e-3])
+    remaining = np.array([10.0, 30.0, 20.0])
+    ybar, var = np.array([0.0, 3.0]), np.array([0.0, 0.0])
+    pace, pace_var = np.array([1.0, 2.0, 1.0]), np.zeros(3)
+    got = steady_call_seconds(costs, remaining, ybar, var, pace, pace_var)
+    assert got[0] == pytest.approx(30e-3)  # the longest request, one token a step
+    assert got[1] == pytest.approx(2e-3 * max(10 / 4, 30 / 7, 20 / 4))  # mu = 1 + pace * ybar
+    wider = steady_call_seconds(costs, remaining, ybar, var, pace, np.full(3, 0.2))
+    assert wider[0] == got[0] and wider[1] > got[1]  # an unknown pace lengthens the expected tail
+
+
+def test_paces_are_a_posterior_around_one_and_the_spread_is_learnt_across_calls():
+    paces = Paces()
+    paces.rows(3)
+    paces.observe(np.array([0, 1, 2]), np.array([10.0, 20.0, 30.0]), 20.0, 0.0)
+    pace, var = paces.estimate(np.array([0, 1, 2]))
+    assert pace.tolist() == [1.0, 1.0, 1.0] and var.tolist() == [0.0, 0.0, 0.0]  # no spread learnt yet
+    paces.new_call()  # ratios 0.5, 1, 1.5 without noise
+    assert paces.spread == pytest.approx(np.var([0.5, 1.0, 1.5])) and paces.calls == 1
+    paces.rows(2)
+    paces.observe(np.array([0, 1]), np.array([4.0, 4.0]), 2.0, 2.0)  # ratio 2, noise 2 / 2^2 = 0.5
+    pace, var = paces.estimate(np.array([0, 1]))
+    weight = paces.spread / (paces.spread + 0.5)
+    assert pace[0] == pytest.approx(1 + weight) and var[0] == pytest.approx(paces.spread * (1 - weight))
+
+
+def _measured(policy: BudgetPolicy, costs: dict[int, float]) -> None:
+    for k, seconds in costs.items():
+        for _ in range(MIN_COST_ROUNDS):
+            policy.costs.observe(k, seconds)
+
+
+def _policy_after_a_round(costs: dict[int, float], batch: int, accepted: float) -> BudgetPolicy:
+    """A policy that has every bucket's cost and has read one bucket-8 round per request of `batch`."""
+    policy = BudgetPolicy(AUTO_BUCKETS, depth=64)
+    _measured(policy, costs)
+    rows = list(range(batch))
+    policy.pick([True] * batch, must_draft=True)
+    sums = np.tile([0.0, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
+    policy.observe(8, None, rows, [1 + accepted] * batch, sums)
+    return policy
+
+
+def test_a_static_call_steps_when_steps_end_it_soonest():
+    """Trees commit a little more per second than steps, summed over the requests (the rule alone
+    drafts), but at 64 requests their spread makes the last one finish later than 127 steps would."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = _policy_after_a_round(costs, 64, accepted=1.2)
+    active = [True] * 64
+    assert policy.pick(active, must_draft=False) != 0  # refilled rows: the rule alone
+    policy.pending.clear()
+    assert policy.pick(active, must_draft=False, remaining=[127] * 64) == 0
+    assert policy.pick(active, must_draft=True, remaining=[127] * 64) != 0  # the drafter must run
+
+
+def test_a_static_call_drafts_when_trees_pay_for_their_tail():
+    costs = {0: 1.0, 4: 1.2, 8: 1.3, 16: 1.4, 32: 1.6, 64: 2.0}
+    policy = _policy_after_a_round(costs, 64, accepted=4.0)
+    assert policy.pick([True] * 64, must_draft=False, remaining=[127] * 64) != 0
+
+
+def test_the_rounds_in_flight_count_against_what_is_left():
+    """Near the end of a call the rounds picked and not read yet are expected to commit the last
+    tokens: a request with 3 tokens left and a round in flight expected to commit 3 has none left, and
+    one step ends the call sooner than any tree."""
+    costs = {0: 1.0, 4: 1.2, 8: 1.3, 16: 1.4, 32: 1.6, 64: 2.0}
+    policy = _policy_after_a_round(costs, 1, accepted=4.0)
+    assert policy.pick([True], must_draft=False, remaining=[40]) != 0
+    assert policy.pick([True], must_draft=False, remaining=[3]) == 0
