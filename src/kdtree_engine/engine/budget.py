@@ -353,10 +353,10 @@ class BudgetPolicy:
     def _call_test(self, rows: np.ndarray, remaining: Sequence[int]) -> bool:
         """_steps_end_soonest, whose answer is kept for the next CALL_TEST_REUSE picks when one way
         ends the call more than CALL_TEST_MARGIN sooner than the other, while the most tokens a request
-        has left is at least half what it was at the test (it changes slowly but near the call's end;
-        the test is the larger part of a pick's host work)."""
+        has left is at least half what it was at the test and at least `depth` (it changes slowly but
+        near the call's end; the test is the larger part of a pick's host work)."""
         most = float(np.max(np.asarray(remaining)[rows])) if rows.size else 0.0
-        if self._test_kept > 0 and 2.0 * most >= self._test_left:
+        if self._test_kept > 0 and 2.0 * most >= self._test_left and most >= self.depth:
             self._test_kept -= 1
             return self._test_answer
         steps, margin = self._steps_end_soonest(rows, remaining)
