@@ -47,7 +47,7 @@ def test_a_fixed_call_costs_its_rounds():
 
 def test_auto_settles_on_autoregressive_decoding_when_every_tree_is_dear():
     """One request, trees at 2-4 autoregressive steps and little accepted: auto steps
-    autoregressively but for a call's first round, the draft every L + 1 steps (the drafter's context
+    autoregressively but for a call's first round, the draft every 4 (L + 1) steps (the drafter's context
     holds no more) and its exploration."""
     dear = {0: 1.0, 4: 2.0, 8: 2.2, 16: 2.5, 32: 3.0, 64: 4.0}
     r = auto_sim.compare(_scenario(batch=1, costs=dear, skill_mean=-3.0), seeds=2)

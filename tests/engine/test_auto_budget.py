@@ -1,6 +1,6 @@
 """budget="auto" in the engine: every bucket keeps greedy output equal to autoregressive decoding, the
 drafter's context stays complete across autoregressive rounds (every committed row's features are in
-its cache or pending for its next draft), the drafter runs at the latest after L + 1 of them, and the
+its cache or pending for its next draft), the drafter runs at the latest after 4 (L + 1) of them, and the
 policy's report reaches the stats."""
 
 from __future__ import annotations
