@@ -28,8 +28,8 @@ def rounds_of(target, drafter, prompt: list[int], config: GenerationConfig, buck
     out: list[tuple] = []
     observe, pick = BudgetPolicy.observe, BudgetPolicy.pick
 
-    def held(self, active, must_draft):
-        pick(self, active, must_draft)  # the policy's bookkeeping, then the one bucket
+    def held(self, active, must_draft, remaining=None):
+        pick(self, active, must_draft, remaining)  # the policy's bookkeeping, then the one bucket
         return bucket
 
     def recorded(self, bucket, seconds, rows, counts, sums):

@@ -185,8 +185,8 @@ def test_auto_budget_graphs_equal_eager_and_autoregressive(monkeypatch):
     script = itertools.cycle([4, 0, 0, 8, 16, 16, 0, 32, 64, 64, 0, 8, 4])
     real_pick = BudgetPolicy.pick
 
-    def scripted(self, active, must_draft):
-        real_pick(self, active, must_draft)  # keeps the policy's bookkeeping (one choice per round)
+    def scripted(self, active, must_draft, remaining=None):
+        real_pick(self, active, must_draft, remaining)  # the policy's bookkeeping (one choice a round)
         k = next(script)
         return max(k, 4) if must_draft else k
 
