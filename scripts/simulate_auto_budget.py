@@ -3,27 +3,33 @@ tokens per second of autoregressive decoding, every fixed bucket and auto on the
 against the best of them, and the buckets auto picked. A model of rounds, not a measurement: it
 checks the policy's logic on the CPU.
 
-    python scripts/simulate_auto_budget.py [--seeds 16] [--refilled]
+    python scripts/simulate_auto_budget.py [--seeds 16] [--refilled] [--traces out/traces.json]
 
 --refilled runs the policy as for a batch whose finished rows are refilled (it is not told the tokens
-each request has left, so it has no static call's test): the rule alone.
+each request has left, so it has no static call's test): the rule alone. --traces replays kimi-nano's
+recorded acceptance (scripts/record_acceptance_traces.py) at batch 1, 4, 16 and 64, temperature 0
+and 1, instead of the model's settings.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from kdtree_engine.bench.auto_sim import SCENARIOS, compare
+from kdtree_engine.bench.auto_sim import SCENARIOS, compare, trace_scenarios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=16, help="groups of 3 calls per setting")
     parser.add_argument("--refilled", action="store_true", help="no static call's test (the rule alone)")
+    parser.add_argument(
+        "--traces", type=Path, help="recorded acceptance to replay (record_acceptance_traces.py)"
+    )
     args = parser.parse_args()
     print("| setting | AR | best fixed (which) | auto | auto / best | auto's buckets (rounds) |")
     print("|---|---|---|---|---|---|")
-    for sc in SCENARIOS:
+    for sc in trace_scenarios(args.traces) if args.traces else SCENARIOS:
         r = compare(sc, seeds=args.seeds, static=not args.refilled)
         rates = r["rates"]
         picks = " ".join(f"{k}:{n}" for k, n in r["picks"].items())

@@ -4,6 +4,8 @@ it, settles on autoregressive decoding when every tree is dear and on speculatio
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,51 @@ def test_auto_speculates_when_trees_are_cheap():
     cheap = {0: 1.0, **{k: 1.05 for k in AUTO_BUCKETS if k}}
     r = auto_sim.compare(_scenario(costs=cheap, skill_mean=2.0, persistence=0.9), seeds=2)
     assert r["auto_over_ar"] > 2.0 and r["picks"].get(0, 0) < 0.1 * sum(r["picks"].values())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_bucket_accepts_what_the_largest_tree_accepts_among_its_first_nodes(temperature):
+    """What scripts/record_acceptance_traces.py relies on: the tree of budget k is the first k nodes of
+    the budget-64 tree, and accepting on it commits counts_at_buckets of the 64-tree's accepted path,
+    greedy and sampled (the same target token drawn at each node)."""
+    import torch
+
+    from kdtree_engine.engine.sampling import SamplingParams, accept_tokens
+    from kdtree_engine.tree import build_tree_from_logits
+
+    gen = torch.Generator().manual_seed(3)
+    batch, depth, vocab = 8, 8, 6
+    draft = torch.randn(batch, depth, vocab, generator=gen) * 2.0
+    big = build_tree_from_logits(draft, 64, impl="ref")
+    # the target's logits at each node favour one child's token, so that paths run deep
+    logits = torch.randn(batch, 65, vocab, generator=gen)
+    for b in range(batch):
+        for i in range(65):
+            kids = (big.parents[b, 1:] == i).nonzero().flatten()
+            if kids.numel():
+                logits[b, i, big.tokens[b, kids[0]]] += 4.0
+    params = SamplingParams(temperature=temperature)
+    whole = accept_tokens(big, logits, params, seed=7, offset=0, impl="ref")
+    counts = [auto_sim.counts_at_buckets(whole.accepted[b].numpy()) for b in range(batch)]
+    assert max(c[-1] for c in counts) >= 4  # deep paths: the test has something to cut
+    for j, k in enumerate(AUTO_BUCKETS):
+        if k == 0:
+            continue
+        small = build_tree_from_logits(draft, k, impl="ref")
+        assert torch.equal(small.tokens, big.tokens[:, :k]) and torch.equal(
+            small.parents, big.parents[:, : k + 1]
+        )
+        acc = accept_tokens(small, logits[:, : k + 1], params, seed=7, offset=0, impl="ref")
+        assert acc.accept_len.tolist() == [c[j] for c in counts]
+
+
+def test_traces_replay_by_text_position(tmp_path):
+    rounds = [{"counts": [1, 2, 3, 3, 3, 3], "sums": [0, 1, 2, 2, 2, 2]},
+              {"counts": [1, 1, 1, 2, 4, 5], "sums": [0, 0.5, 1, 1.5, 3, 4]}]  # fmt: skip
+    path = tmp_path / "traces.json"
+    path.write_text(json.dumps({"buckets": list(AUTO_BUCKETS), "temperatures": {"0": [rounds, []]}}))
+    (trace,) = auto_sim.load_traces(path, "0")  # the empty request is dropped
+    assert trace.starts.tolist() == [0, 3] and trace.length == 8
+    assert [trace.at(p) for p in (0, 2, 3, 7, 8, 11)] == [0, 0, 1, 1, 0, 1]  # wraps past the end
+    sc = auto_sim.Scenario("t", 1, COSTS, 1.0, traces=(trace,), tokens=12, cost_noise=0.0)
+    assert auto_sim.run_call(sc, 0, 0)["rounds"] == 11

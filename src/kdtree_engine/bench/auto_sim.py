@@ -18,8 +18,10 @@ batch, times a small noise; an autoregressive step commits one token.
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -46,14 +48,64 @@ class Scenario:
     draft_noise: float = 0.3
     tokens: int = 128
     cost_noise: float = 0.03
+    traces: tuple[Trace, ...] = ()  # recorded rounds to replay instead of the acceptance model
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One request's recorded rounds (scripts/record_acceptance_traces.py): each round's start, in
+    tokens committed before it, and the tokens and sums S a tree of every bucket gave there
+    ([rounds, buckets]). Replayed by text position: a request at position p gets the round recorded at
+    the last start <= p (wrapping around past the end)."""
+
+    starts: np.ndarray
+    counts: np.ndarray
+    sums: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return int(self.starts[-1] + self.counts[-1, -1])
+
+    def at(self, position: int) -> int:
+        return int(np.searchsorted(self.starts, position % self.length, side="right") - 1)
+
+
+def counts_at_buckets(accepted: np.ndarray) -> list[int]:
+    """accepted: one request's accepted node indices from a tree of the largest bucket (root 0 first,
+    -1 padded) -> the tokens a tree of each bucket would have committed on that round: 1 + the path's
+    nodes whose index is at most the bucket (the first k nodes of a best-first tree are the tree of
+    budget k, and node indices grow along a path)."""
+    path = accepted[1:][accepted[1:] > 0]
+    return [1 + int((path <= k).sum()) for k in AUTO_BUCKETS]
+
+
+def load_traces(path, temperature: str) -> tuple[Trace, ...]:
+    """The traces of one temperature ("0", "1") from a file written by
+    scripts/record_acceptance_traces.py (recorded at the largest bucket, so each round's start
+    advances by its count there)."""
+    data = json.loads(Path(path).read_text())
+    if list(data["buckets"]) != list(AUTO_BUCKETS):
+        raise ValueError(f"{path}: recorded for buckets {data['buckets']}, not {AUTO_BUCKETS}")
+    out = []
+    for rounds in data["temperatures"][temperature]:
+        if not rounds:
+            continue
+        counts = np.array([r["counts"] for r in rounds], dtype=np.int64)
+        sums = np.array([r["sums"] for r in rounds], dtype=np.float64)
+        starts = np.concatenate([[0], np.cumsum(counts[:-1, -1])])
+        out.append(Trace(starts, counts, sums))
+    return tuple(out)
 
 
 @dataclass
 class _Requests:
-    """The simulated requests of one call: skills, difficulties, committed counts."""
+    """The simulated requests of one call: skills, difficulties, committed counts; with traces, each
+    one's trace and the text position where its replay starts."""
 
     skill: np.ndarray
     difficulty: np.ndarray
+    trace: np.ndarray | None = None
+    offset: np.ndarray | None = None
     committed: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,7 +114,25 @@ class _Requests:
 
 def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
     skill = rng.normal(sc.skill_mean, sc.skill_spread, sc.batch)
-    return _Requests(skill, rng.normal(0.0, sc.round_noise, sc.batch))
+    reqs = _Requests(skill, rng.normal(0.0, sc.round_noise, sc.batch))
+    if sc.traces:
+        reqs.trace = rng.integers(0, len(sc.traces), sc.batch)
+        reqs.offset = np.array([rng.integers(0, sc.traces[t].length) for t in reqs.trace])
+    return reqs
+
+
+def _trace_round(sc: Scenario, reqs: _Requests, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """_round from the traces: each request's recorded round at its text position."""
+    j = AUTO_BUCKETS.index(n)
+    counts = np.ones(sc.batch, dtype=np.int64)
+    sums = np.full((sc.batch, len(AUTO_BUCKETS)), np.nan)
+    for b in range(sc.batch):
+        trace = sc.traces[reqs.trace[b]]
+        r = trace.at(int(reqs.offset[b] + reqs.committed[b] - 1))
+        counts[b] = trace.counts[r, j]
+        if n:
+            sums[b, : j + 1] = trace.sums[r, : j + 1]
+    return counts, sums
 
 
 def _step_acceptance(logit: np.ndarray, n: int) -> np.ndarray:
@@ -72,6 +142,8 @@ def _step_acceptance(logit: np.ndarray, n: int) -> np.ndarray:
 def _round(sc: Scenario, reqs: _Requests, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """One round of bucket n for every request: (committed tokens [B], sums [B, buckets], NaN past n).
     Advances the difficulties."""
+    if sc.traces:
+        return _trace_round(sc, reqs, n)
     b = sc.batch
     buckets = AUTO_BUCKETS
     sums = np.full((b, len(buckets)), np.nan)
@@ -163,6 +235,21 @@ SCENARIOS = (
     Scenario("batch 64, greedy-like", 64, B64, B64[0], **{**GREEDY, "skill_mean": 2.5}),
     Scenario("batch 64, sampled-like", 64, B64, B64[0], skill_mean=0.5, **SAMPLED),
 )
+
+
+COSTS_BY_BATCH = {1: B1, 4: B4, 16: B16, 64: B64}
+
+
+def trace_scenarios(path) -> tuple[Scenario, ...]:
+    """Batch 1, 4, 16 and 64 at temperature 0 and 1 replaying the recorded traces (the cost tables
+    above)."""
+    out = []
+    for temperature in ("0", "1"):
+        traces = load_traces(path, temperature)
+        for batch, costs in COSTS_BY_BATCH.items():
+            name = f"batch {batch}, kimi-nano traces, temperature {temperature}"
+            out.append(Scenario(name, batch, costs, costs[0], traces=traces))
+    return tuple(out)
 
 
 def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -> dict:

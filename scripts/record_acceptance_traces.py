@@ -1,0 +1,86 @@
+"""Records kimi-nano's acceptance at every auto-budget bucket, round by round, for the policy simulator
+(kdtree_engine.bench.auto_sim, trace settings): the shipped pair on the CPU (float32) decodes held-out
+prompts with every round at the largest bucket, and per request and round the script keeps the
+committed tokens a tree of each bucket would have given (the first k nodes of a best-first tree are
+the tree of bucket k, and the accepted path's node indices grow along it, so its nodes up to k are what
+that tree accepts; the target's token at each node is the same) and the draft's sums S at each bucket.
+
+    python scripts/record_acceptance_traces.py [--prompts 16] [--new-tokens 128] [--out out/traces.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kdtree_engine.assets import KIMI_NANO
+from kdtree_engine.bench.auto_sim import counts_at_buckets
+from kdtree_engine.bench.e2e_nano import drafter_path, nano_drafter, nano_prompts
+from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, loop
+from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+from kdtree_engine.engine.tokenizer import load_tokenizer
+from kdtree_engine.model import load_model
+
+TOP = AUTO_BUCKETS[-1]
+
+
+def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) -> list[list[dict]]:
+    """Per request, its rounds: {"counts": tokens per bucket, "sums": S per bucket}."""
+    traces: list[list[dict]] = [[] for _ in prompts]
+    pick, accept, choose = BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose
+
+    def largest(self, active, must_draft, remaining=None):
+        pick(self, active, must_draft, remaining)  # the policy's bookkeeping, then the largest bucket
+        return TOP
+
+    def kept(self, tree, logits):
+        self.last_accept = choose(self, tree, logits)
+        return self.last_accept
+
+    def recorded(self, n):
+        active = self.s.active.tolist()
+        accept(self, n)
+        sums = self.sums[n].tolist()
+        for b, on in enumerate(active):
+            if on:
+                counts = counts_at_buckets(self.last_accept.accepted[b].numpy())
+                traces[b].append({"counts": counts, "sums": sums[b]})
+
+    BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = largest, recorded, kept
+    try:
+        generate(target, drafter, prompts, config)
+    finally:
+        BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = pick, accept, choose
+    return traces
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--out", type=Path, default=Path("out/traces.json"))
+    args = parser.parse_args()
+    target = load_model(KIMI_NANO, dtype=torch.float32, device=torch.device("cpu"))
+    drafter, _ = nano_drafter(drafter_path(None), target, load_tokenizer(KIMI_NANO).token_id("<|mask|>"))
+    prompts = nano_prompts(args.prompts)
+    out = {"buckets": list(AUTO_BUCKETS), "new_tokens": args.new_tokens, "temperatures": {}}
+    for temperature in args.temperatures:
+        config = GenerationConfig(budget="auto", max_new_tokens=args.new_tokens, seed=0,
+                                  sampling=SamplingParams(temperature=temperature))  # fmt: skip
+        traces = record(target, drafter, prompts, config)
+        out["temperatures"][f"{temperature:g}"] = traces
+        mean = np.mean([r["counts"] for t in traces for r in t], axis=0)
+        print(f"temperature {temperature:g}: {sum(map(len, traces))} rounds; mean committed per bucket "
+              + " ".join(f"{k}:{m:.2f}" for k, m in zip(AUTO_BUCKETS, mean)))  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
