@@ -34,7 +34,10 @@ ahead is the device's round or the host's work per round, whichever is longer; o
 own wall time. A bucket measured fewer than MIN_COST_ROUNDS times costs 0, so that each gets tried,
 the smallest first, until one odd round (a graph's first replay) no longer decides its cost.
 
-The choice: argmax over buckets of sum_b E_b(n) / c(n), over the requests still running.
+The choice: argmax over buckets of sum_b E_b(n) / c(n), over the requests still running. In a static
+call (generate(): the engine passes each request's tokens left), first the static call's test
+(engine.budget_call): an autoregressive step whenever steps alone would end the call sooner than any
+bucket used for every round from here, the last request's tail counted.
 """
 
 from __future__ import annotations
@@ -279,6 +282,7 @@ class BudgetPolicy:
     depth: int
     calibration: Calibration = field(init=False)
     costs: CostTable = field(init=False)
+    paces: Paces = field(init=False)  # each request's pace, the spread between requests (static calls)
     sums: np.ndarray = field(init=False)  # [rows, buckets]: each request row's last S read, NaN: none
     age: np.ndarray = field(init=False)  # [rows]: rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
