@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kdtree_engine.engine.budget_call import Paces, steady_call_seconds
+from kdtree_engine.engine.budget_call import CallTest, Paces, steady_call_seconds
 
 AUTO_BUCKETS = (0, 4, 8, 16, 32, 64)  # nodes verified per round besides the root
 COST_WINDOW = 16  # rounds per bucket whose median is its cost
@@ -59,10 +59,6 @@ PRIOR_PAIRS = 4.0  # pseudo-pairs of the calibrated prediction in a bucket's mea
 SLOPE_PAIRS = 16.0  # pairs at which a bucket's fitted slope counts half
 STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many rounds' more: AR steps in a row
 STALE_DECAY = 0.5
-CALL_TEST_MARGIN = 0.2  # a static call's test this decisive (engine.budget_call) ...
-CALL_TEST_REUSE = (
-    8  # ... is kept for this many picks  # per autoregressive round, how much of a request's last S survives
-)
 
 
 def path_probabilities(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor,
@@ -283,6 +279,7 @@ class BudgetPolicy:
     calibration: Calibration = field(init=False)
     costs: CostTable = field(init=False)
     paces: Paces = field(init=False)  # each request's pace, the spread between requests (static calls)
+    call_test: CallTest = field(init=False)  # the static call's test and its kept answer
     sums: np.ndarray = field(init=False)  # [rows, buckets]: each request row's last S read, NaN: none
     age: np.ndarray = field(init=False)  # [rows]: rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
@@ -305,7 +302,7 @@ class BudgetPolicy:
         self.sums = np.zeros((0, len(self.buckets)))
         self.age = np.zeros(0)
         self.paces.new_call()
-        self._test_answer, self._test_kept, self._test_left = False, 0, 0.0
+        self.call_test = CallTest(self.depth)
         self.pending.clear()
         self.streak = 0
         for tally in (self.chosen, self.predicted, self.expected, self.observed, self.requests):
@@ -342,7 +339,7 @@ class BudgetPolicy:
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
-        if remaining is not None and not must_draft and self._call_test(rows, remaining):
+        if remaining is not None and not must_draft and self._steps_end_soonest(rows, remaining):
             j = self.buckets.index(0)
         else:
             expected = per_row.sum(axis=0)
@@ -354,38 +351,26 @@ class BudgetPolicy:
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
 
-    def _call_test(self, rows: np.ndarray, remaining: Sequence[int]) -> bool:
-        """_steps_end_soonest, whose answer is kept for the next CALL_TEST_REUSE picks when one way
-        ends the call more than CALL_TEST_MARGIN sooner than the other, while the most tokens a request
-        has left is at least half what it was at the test and at least `depth` (it changes slowly but
-        near the call's end; the test is the larger part of a pick's host work)."""
-        most = float(np.max(np.asarray(remaining)[rows])) if rows.size else 0.0
-        if self._test_kept > 0 and 2.0 * most >= self._test_left and most >= self.depth:
-            self._test_kept -= 1
-            return self._test_answer
-        steps, margin = self._steps_end_soonest(rows, remaining)
-        self._test_answer, self._test_left = steps, most
-        self._test_kept = CALL_TEST_REUSE if margin > CALL_TEST_MARGIN else 0
-        return steps
-
-    def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int]) -> tuple[bool, float]:
-        """Whether autoregressive steps would end the static call sooner than any bucket used for every
-        round from here (engine.budget_call), once every bucket's cost is measured; the tokens each
-        request has left less what the rounds picked and not read yet are expected to commit."""
+    def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int]) -> bool:
+        """The static call's test (engine.budget_call.CallTest) for the running request rows, once every
+        bucket's cost is measured: the tokens each has left less what the rounds picked and not read
+        yet are expected to commit."""
         if 0 not in self.buckets or rows.size == 0:
-            return False, 0.0
+            return False
         costs = np.array([self.costs.estimate(k) for k in self.buckets])
         if (costs <= 0).any():
-            return False, 0.0
+            return False
+        most = float(np.max(np.asarray(remaining)[rows]))
+        kept = self.call_test.kept_answer(most)
+        if kept is not None:
+            return kept
         left = np.asarray(remaining, dtype=np.float64).copy()
         for choice in self.pending:
             left[choice.rows] -= choice.expected
         ybar, variance = self.calibration.long_run()
         pace, pace_variance = self.paces.estimate(rows)
         seconds = steady_call_seconds(costs, np.maximum(left[rows], 1.0), ybar, variance, pace, pace_variance)
-        steps = seconds[self.buckets.index(0)]
-        trees = seconds[[j for j, k in enumerate(self.buckets) if k > 0]].min()
-        return bool(steps <= trees), float(max(steps, trees) / min(steps, trees) - 1.0)
+        return self.call_test.decide(seconds, self.buckets.index(0), most)
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
                 sums: np.ndarray | Sequence[Sequence[float]] | None) -> None:  # fmt: skip

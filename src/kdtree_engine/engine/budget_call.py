@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 Pair = tuple[np.ndarray, np.ndarray]
+KEEP_MARGIN = 0.2  # an answer this decisive (one way ends the call this much sooner) ...
+KEEP_ROUNDS = 8  # ... is kept for this many rounds
 
 
 @functools.lru_cache(maxsize=1024)
@@ -67,6 +69,36 @@ def steady_call_seconds(costs: np.ndarray, remaining: np.ndarray, ybar: np.ndarr
     rounds = m / mu
     spread = m * variance / mu**3 + (m * ybar / mu**2) ** 2 * pace_variance[:, None]
     return costs * np.maximum(1.0, expected_last(rounds, spread))
+
+
+@dataclass
+class CallTest:
+    """The test's answer for a round, and how long it may be kept: an answer decisive by more than
+    KEEP_MARGIN serves the next KEEP_ROUNDS rounds while the most tokens a request has left is at least
+    half what it was and at least `depth` tokens (the answer changes slowly except near a call's end;
+    computing it is most of a pick's host work)."""
+
+    depth: int
+    answer: bool = False
+    kept: int = 0  # rounds the answer may still serve
+    left: float = 0.0  # the most tokens a request had left when it was computed
+
+    def kept_answer(self, most: float) -> bool | None:
+        """The last answer if it may serve this round (most: the most tokens a request has left)."""
+        if self.kept > 0 and 2.0 * most >= self.left and most >= self.depth:
+            self.kept -= 1
+            return self.answer
+        return None
+
+    def decide(self, seconds: np.ndarray, steps: int, most: float) -> bool:
+        """seconds [K]: steady_call_seconds; steps: the index of bucket 0 -> whether to step (its time
+        is the least), kept by the rule above."""
+        step_time = seconds[steps]
+        tree_time = np.delete(seconds, steps).min()
+        self.answer, self.left = bool(step_time <= tree_time), most
+        margin = max(step_time, tree_time) / min(step_time, tree_time) - 1.0
+        self.kept = KEEP_ROUNDS if margin > KEEP_MARGIN else 0
+        return self.answer
 
 
 @dataclass
