@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, BudgetPolicy
-from kdtree_engine.engine.budget_call import Paces, expected_last, expected_max_normal, steady_call_seconds
+from kdtree_engine.engine.budget_call import (
+    KEEP_ROUNDS,
+    CallTest,
+    Paces,
+    expected_last,
+    expected_max_normal,
+    steady_call_seconds,
+)
 
 
 @pytest.mark.parametrize(
@@ -100,3 +107,16 @@ def test_the_rounds_in_flight_count_against_what_is_left():
     policy = _policy_after_a_round(costs, 1, accepted=4.0)
     assert policy.pick([True], must_draft=False, remaining=[40]) != 0
     assert policy.pick([True], must_draft=False, remaining=[3]) == 0
+
+
+def test_a_decisive_answer_is_kept_for_a_few_rounds_but_not_near_the_end():
+    test = CallTest(depth=64)
+    assert test.decide(np.array([1.0, 2.0, 3.0]), 0, most=200.0)  # steps: twice as fast
+    assert [test.kept_answer(150.0) for _ in range(KEEP_ROUNDS)] == [True] * KEEP_ROUNDS
+    assert test.kept_answer(150.0) is None  # served its rounds
+    test.decide(np.array([1.0, 2.0, 3.0]), 0, most=200.0)
+    assert test.kept_answer(99.0) is None  # under half what was left at the test
+    test.decide(np.array([1.0, 2.0, 3.0]), 0, most=100.0)
+    assert test.kept_answer(63.0) is None  # in the last `depth` tokens
+    assert not test.decide(np.array([1.1, 1.0, 3.0]), 0, most=200.0)  # trees a little faster: not kept
+    assert test.kept_answer(200.0) is None
