@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from kdtree_engine.bench.plot import markdown_table
 from kdtree_engine.engine import loop
 from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
 from kdtree_engine.engine.requests import Requests
@@ -71,13 +72,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2000)
     parser.add_argument("--slots", type=int, default=16, help="token slots per round (the drafter's L + 1)")
     args = parser.parse_args()
-    print("| batch | budget | read | commit | observe | pick | total (us per round) |")
-    print("|---|---|---|---|---|---|---|")
+    steps = ("read", "commit", "observe", "pick")
+    rows = []
     for batch in args.batch:
         for auto in (False, True):
             t = timed_rounds(batch, args.rounds, args.slots, auto)
-            cells = " | ".join(f"{t[k]:.1f}" for k in ("read", "commit", "observe", "pick"))
-            print(f"| {batch} | {'auto' if auto else 'fixed'} | {cells} | {sum(t.values()):.1f} |")
+            rows.append([batch, "auto" if auto else "fixed", *(t[k] for k in steps), sum(t.values())])
+    print(markdown_table(["batch", "budget", *steps, "total (us per round)"], rows))
 
 
 if __name__ == "__main__":

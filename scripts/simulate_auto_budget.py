@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from kdtree_engine.bench.auto_sim import SCENARIOS, compare, trace_scenarios
+from kdtree_engine.bench.plot import markdown_table
 
 
 def main() -> None:
@@ -27,14 +28,15 @@ def main() -> None:
         "--traces", type=Path, help="recorded acceptance to replay (record_acceptance_traces.py)"
     )
     args = parser.parse_args()
-    print("| setting | AR | best fixed (which) | auto | auto / best | auto's buckets (rounds) |")
-    print("|---|---|---|---|---|---|")
+    rows = []
     for sc in trace_scenarios(args.traces) if args.traces else SCENARIOS:
         r = compare(sc, seeds=args.seeds, static=not args.refilled)
         rates = r["rates"]
         picks = " ".join(f"{k}:{n}" for k, n in r["picks"].items())
-        print(f"| {sc.name} | {rates['autoregressive']:.0f} | {rates[r['best']]:.0f} ({r['best']}) | "
-              f"{rates['auto']:.0f} | {r['auto_over_best']:.3f} | {picks} |")  # fmt: skip
+        rows.append([sc.name, f"{rates['autoregressive']:.0f}", f"{rates[r['best']]:.0f} ({r['best']})",
+                     f"{rates['auto']:.0f}", f"{r['auto_over_best']:.3f}", picks])  # fmt: skip
+    heads = ["setting", "AR", "best fixed (which)", "auto", "auto / best", "auto's buckets (rounds)"]
+    print(markdown_table(heads, rows))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ COSTS = {0: 1.0, 4: 1.1, 8: 1.2, 16: 1.3, 32: 1.5, 64: 2.0}
 
 
 def _scenario(batch: int = 8, **kw) -> auto_sim.Scenario:
-    return auto_sim.Scenario("test", batch, kw.pop("costs", COSTS), kw.pop("plain", 1.0), **kw)
+    return auto_sim.Scenario("test", batch, kw.pop("costs", COSTS), **kw)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -118,5 +118,5 @@ def test_traces_replay_by_text_position(tmp_path):
     (trace,) = auto_sim.load_traces(path, "0")  # the empty request is dropped
     assert trace.starts.tolist() == [0, 3] and trace.length == 8
     assert [trace.at(p) for p in (0, 2, 3, 7, 8, 11)] == [0, 0, 1, 1, 0, 1]  # wraps past the end
-    sc = auto_sim.Scenario("t", 1, COSTS, 1.0, traces=(trace,), tokens=12, cost_noise=0.0)
+    sc = auto_sim.Scenario("t", 1, COSTS, traces=(trace,), tokens=12, cost_noise=0.0)
     assert auto_sim.run_call(sc, 0, 0)["rounds"] == 11

@@ -12,8 +12,9 @@ rejection chance 1 - a into (1 - a) WIDTH[n]; the drafted tokens it accepts are 
 uniform falls under its step acceptance (the uniforms shared by every bucket, so a larger tree never
 accepts less on the same round). The draft's sums S_b(k) (what the engine's compile stage hands the
 policy) are the expected accepted tokens at each bucket k <= n under the drafter's view of a, which
-is off by a normal error of sd `draft_noise` on the logit. A round of bucket n costs COSTS[n] at this
-batch, times a small noise; an autoregressive step commits one token.
+is off by a normal error of sd `draft_noise` on the logit. Or the rounds replay kimi-nano's recorded
+acceptance (`Trace`). A round of bucket n costs costs_ms[n] at this batch, times a small noise; an
+autoregressive step commits one token.
 """
 
 from __future__ import annotations
@@ -34,13 +35,12 @@ WIDTH = {4: 1.0, 8: 0.8, 16: 0.65, 32: 0.55, 64: 0.5}  # a step's rejection chan
 
 @dataclass(frozen=True)
 class Scenario:
-    """One simulated setting: the batch, the round costs in ms per bucket (0: an autoregressive step;
-    `plain_ar_ms`: plain decoding's step, which feeds no drafter), and the acceptance model."""
+    """One simulated setting: the batch, the round costs in ms per bucket (0: an autoregressive step),
+    and the acceptance model, or recorded traces to replay."""
 
     name: str
     batch: int
     costs_ms: dict[int, float]
-    plain_ar_ms: float
     skill_mean: float = 1.5
     skill_spread: float = 0.7
     persistence: float = 0.8
@@ -166,9 +166,8 @@ def _round(sc: Scenario, reqs: _Requests, n: int, rng: np.random.Generator) -> t
     return counts, sums
 
 
-def _cost(sc: Scenario, n: int, rng: np.random.Generator, plain: bool) -> float:
-    ms = sc.plain_ar_ms if (plain and n == 0) else sc.costs_ms[n]
-    return ms * 1e-3 * (1.0 + sc.cost_noise * rng.standard_normal())
+def _cost(sc: Scenario, n: int, rng: np.random.Generator) -> float:
+    return sc.costs_ms[n] * 1e-3 * (1.0 + sc.cost_noise * rng.standard_normal())
 
 
 def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy | None = None,
@@ -206,14 +205,14 @@ def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy |
         n = flight.popleft()
         rows = np.flatnonzero(running())
         counts, sums = _round(sc, reqs, n, rng)
-        cost = _cost(sc, n, rng, plain=policy is None)
+        cost = _cost(sc, n, rng)
         seconds += cost
         picks.append(n)
         if policy is not None:
             policy.observe(n, cost, rows, counts, sums if n else None)
         reqs.committed = np.minimum(reqs.committed + np.where(running(), counts, 0), sc.tokens)
     if policy is not None and flight:  # the round enqueued past the end: its device time is spent
-        seconds += _cost(sc, flight.popleft(), rng, plain=False)
+        seconds += _cost(sc, flight.popleft(), rng)
     return {"seconds": seconds, "rounds": len(picks), "picks": picks}
 
 
@@ -228,12 +227,12 @@ B64 = {0: 0.64, 4: 1.17, 8: 1.32, 16: 1.5, 32: 2.0, 64: 3.0}
 GREEDY = dict(skill_mean=2.0, persistence=0.9, round_noise=1.0)
 SAMPLED = dict(persistence=0.3, round_noise=1.0)
 SCENARIOS = (
-    Scenario("batch 1, greedy-like", 1, B1, B1[0], **GREEDY),
-    Scenario("batch 1, sampled-like", 1, B1, B1[0], skill_mean=0.0, **SAMPLED),
-    Scenario("batch 4, sampled-like", 4, B4, B4[0], skill_mean=0.8, **SAMPLED),
-    Scenario("batch 16, greedy-like", 16, B16, B16[0], **GREEDY),
-    Scenario("batch 64, greedy-like", 64, B64, B64[0], **{**GREEDY, "skill_mean": 2.5}),
-    Scenario("batch 64, sampled-like", 64, B64, B64[0], skill_mean=0.5, **SAMPLED),
+    Scenario("batch 1, greedy-like", 1, B1, **GREEDY),
+    Scenario("batch 1, sampled-like", 1, B1, skill_mean=0.0, **SAMPLED),
+    Scenario("batch 4, sampled-like", 4, B4, skill_mean=0.8, **SAMPLED),
+    Scenario("batch 16, greedy-like", 16, B16, **GREEDY),
+    Scenario("batch 64, greedy-like", 64, B64, **{**GREEDY, "skill_mean": 2.5}),
+    Scenario("batch 64, sampled-like", 64, B64, skill_mean=0.5, **SAMPLED),
 )
 
 
@@ -248,7 +247,7 @@ def trace_scenarios(path) -> tuple[Scenario, ...]:
         traces = load_traces(path, temperature)
         for batch, costs in COSTS_BY_BATCH.items():
             name = f"batch {batch}, kimi-nano traces, temperature {temperature}"
-            out.append(Scenario(name, batch, costs, costs[0], traces=traces))
+            out.append(Scenario(name, batch, costs, traces=traces))
     return tuple(out)
 
 

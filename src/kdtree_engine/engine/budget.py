@@ -58,7 +58,7 @@ MIN_COST_ROUNDS = 3  # rounds measured before a bucket's median counts
 PRIOR_PAIRS = 4.0  # pseudo-pairs of the calibrated prediction in a bucket's mean acceptance
 SLOPE_PAIRS = 16.0  # pairs at which a bucket's fitted slope counts half
 STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many rounds' more: AR steps in a row
-STALE_DECAY = 0.5
+STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
 
 
 def path_probabilities(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor,
@@ -108,7 +108,7 @@ class Calibration:
         self.n, self.sx, self.sy, self.sxx, self.sxy, self.misses = (np.zeros(k) for _ in range(6))
         self._coefficients: tuple[np.ndarray, np.ndarray] | None = None  # until the next observation
         self._levels: np.ndarray | None = None  # until the next draft read
-        self._long_run: tuple[np.ndarray, np.ndarray] | None = None  # while both of those are kept
+        self._long_run: tuple[np.ndarray, np.ndarray] | None = None  # until the next observation
         self._nearest: tuple[bytes, np.ndarray] | None = None  # (buckets tried, the one each borrows)
         self._sizes = np.asarray(self.buckets, dtype=np.float64)
 
@@ -133,7 +133,8 @@ class Calibration:
         drafted tokens they then accepted, and the E their choice expected (the squared misses: what
         a choice cannot foresee; None: the E the fit gives for that S now)."""
         if expected is None:
-            expected = self.expected(seen[:, None].repeat(len(self.buckets), axis=1))[:, j]
+            a, b = self.expected_coefficients()
+            expected = np.maximum(1.0, a[j] + b[j] * seen)
         self.n[j] += seen.size
         self.sx[j] += seen.sum()
         self.sy[j] += accepted.sum()
@@ -339,25 +340,24 @@ class BudgetPolicy:
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
-        if remaining is not None and not must_draft and self._steps_end_soonest(rows, remaining):
+        costs = np.array([self.costs.estimate(k) for k in self.buckets])
+        if remaining is not None and not must_draft and self._steps_end_soonest(rows, remaining, costs):
             j = self.buckets.index(0)
         else:
             expected = per_row.sum(axis=0)
             allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
-            costs = [self.costs.estimate(self.buckets[j]) for j in allowed]
-            j = allowed[choose([float(expected[j]) for j in allowed], costs)]
+            j = allowed[choose([float(expected[j]) for j in allowed], [float(costs[j]) for j in allowed])]
         self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
 
-    def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int]) -> bool:
+    def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray) -> bool:
         """The static call's test (engine.budget_call.CallTest) for the running request rows, once every
-        bucket's cost is measured: the tokens each has left less what the rounds picked and not read
-        yet are expected to commit."""
+        bucket's cost (costs [buckets]: CostTable.estimate) is measured: the tokens each has left less
+        what the rounds picked and not read yet are expected to commit."""
         if 0 not in self.buckets or rows.size == 0:
             return False
-        costs = np.array([self.costs.estimate(k) for k in self.buckets])
         if (costs <= 0).any():
             return False
         most = float(np.max(np.asarray(remaining)[rows]))
@@ -394,7 +394,7 @@ class BudgetPolicy:
             running[rows] = True
             same = running[choice.rows]  # rows still running: their acceptance is this round's
             got = committed[choice.rows[same]] - 1.0
-            ybar, variance = cal.long_run()  # as they stood for this round's choice
+            ybar, variance = cal.long_run()  # before this round is added
             self.paces.observe(choice.rows[same], got, float(ybar[j]), float(variance[j]))
             cal.observe_choices(j, choice.seen[same], got, choice.expected[same])
             expected = float(choice.expected[same].sum())

@@ -60,7 +60,7 @@ def expected_last(rounds: np.ndarray, variance: np.ndarray) -> np.ndarray:
 
 def steady_call_seconds(costs: np.ndarray, remaining: np.ndarray, ybar: np.ndarray, variance: np.ndarray,
                         pace: np.ndarray, pace_variance: np.ndarray) -> np.ndarray:  # fmt: skip
-    """costs [K] seconds per round of each bucket (bucket 0 first: an autoregressive step, ybar 0 and
+    """costs [K] seconds per round of each bucket (bucket 0, an autoregressive step, has ybar 0 and
     variance 0); remaining [R] tokens each running request has left; ybar, variance [K] of a round's
     accepted drafted tokens; pace, pace_variance [R] -> [K]: the call's expected seconds if every round
     from here used that bucket (module docstring). At least one round."""

@@ -494,7 +494,7 @@ def _commit(run: _Run, state: _State, tokens: np.ndarray, counts: np.ndarray) ->
     """Hands each running request its tokens of the round; tells the device which requests are done
     (a copy from pinned memory in stream order: the rounds enqueued after it see it; a round already in
     flight still runs the request, and the host drops what it commits)."""
-    was = run.reqs.active
+    was = run.reqs.active.copy()
     kept, changed = run.reqs.commit_round(tokens, counts)
     if run.config.method != "autoregressive":
         run.stats.accept_lengths.extend(kept[was].tolist())

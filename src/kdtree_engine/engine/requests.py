@@ -81,7 +81,7 @@ class Requests:
             ended |= stopped & self.active
         changed = bool(ended.any())
         if changed:
-            self.active = self.active & ~ended  # a new array: callers may hold the old one
+            self.active &= ~ended
         if self.on_tokens is not None:
             for b in np.flatnonzero(kept).tolist():
                 self.on_tokens(b, tokens[b, : kept[b]].tolist())
