@@ -137,7 +137,8 @@ def choose_kernel(impl: str | None, q: torch.Tensor, kv_cache: torch.Tensor, d_v
     | None or "hopper"   | otherwise (any page size, few rows, ...) | "triton" |
 
     "hopper" on a GPU that is not sm_90 is an error; the Hopper kernel serves bf16/fp16 on sm_90 with
-    d = 512 + 64, more than 16 query rows per request, and a cache readable in 64-row boxes."""
+    d = 512 + 64 and a contiguous cache tensor: on pages of a multiple of 64 rows always, else (a
+    contiguous cache, or pages it gathers row by row) with more than 16 query rows per request."""
     if impl == "ref" or (impl is None and (not q.is_cuda or q.dtype == torch.float64)):
         return "ref"
     _expect(

@@ -23,15 +23,16 @@ from kdtree_engine.kernels import mla_attention_hopper as k
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
 desc = TensorDescriptor(torch.zeros(128, 576, dtype=torch.bfloat16), [128, 576], [576, 1], [64, 64], box)
-SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "seqlens_ptr": "*i32", "bt_ptr": "*i32", "vis_ptr": "*u8",
+SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "kv_ptr": "*bf16", "seqlens_ptr": "*i32", "bt_ptr": "*i32", "vis_ptr": "*u8",
        "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32", "plse_ptr": "*fp32", "sched_ptr": "*i32"}
 SIG.update({name: "i32" for name in ("NT", "PER", "UNITS", "T", "H", "M", "MB")})
 SIG["qk_scale"] = "fp32"
 SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_btb", "stride_vb",
                                       "stride_vi")})
-SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "SCHED_ON_DEVICE",
+SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "GATHER", "SCHED_ON_DEVICE",
                                            "num_warps")})
 builds = [("visibility", False, 0), ("visibility", True, 0), ("bits", False, 1), ("causal", False, 2)]
+builds += [("gather", True, 0), ("gather-bits", True, 1), ("gather-device", True, 0)]  # pages of 1 (SGLang)
 builds += [("device", False, 0)]  # the schedule read from the device (a captured forward)
 builds += [("ones", False, 1)]  # with the JIT's constexpr specialization of ints equal to 1
 ONES = ("T", "MB", "page_size", "stride_btb", "NT", "PER")  # t = 1, one row block, a contiguous cache
@@ -43,8 +44,8 @@ for name, paged, mode in builds:
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n == "stride_qb"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
-    cst = {"D_C": 512, "D_R": 64, "PAGED": paged, "MASK_MODE": mode, "SCHED_ON_DEVICE": name == "device",
-           "num_warps": 4}
+    cst = {"D_C": 512, "D_R": 64, "PAGED": paged, "MASK_MODE": mode, "GATHER": name.startswith("gather"),
+           "SCHED_ON_DEVICE": name.endswith("device"), "num_warps": 4}
     if name == "ones":  # arguments the partitions get must survive being constexpr
         sig.update({n: "constexpr" for n in ONES})
         cst.update({n: 1 for n in ONES})
@@ -57,13 +58,15 @@ for name, paged, mode in builds:
                               capture_output=True, text=True, check=True).stdout
         res = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f.name],
                              capture_output=True, text=True, check=True).stdout
+    cp_async = len(re.findall(r"LDGSTS\.E\.BYPASS\.128", sass))
     mma = {}
     for shape in re.findall(r"HGMMA\.(\d+x\d+x\d+)", sass):
         mma[shape] = mma.get(shape, 0) + 1
     found[f"{name}-{'paged' if paged else 'contiguous'}"] = {
         "shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
         "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
-        "warps": kernel.metadata.num_warps, "mma": mma}
+        "warps": kernel.metadata.num_warps, "mma": mma, "ldgsts128": cp_async,
+        "tma": len(re.findall(r"UTMALDG", sass))}
 print(json.dumps(found))
 """
 
@@ -81,6 +84,9 @@ def compiled() -> dict:
         ("bits", "contiguous"),
         ("causal", "contiguous"),
         ("ones", "contiguous"),
+        ("gather", "paged"),
+        ("gather-bits", "paged"),
+        ("gather-device", "paged"),
     ],
 )
 def test_hopper_kernel_builds_as_designed(compiled, mask, cache):
@@ -94,3 +100,8 @@ def test_hopper_kernel_builds_as_designed(compiled, mask, cache):
     # latent half (4); warpgroup 1 (the worker partition): P V over the second half (4); 8 warps in all
     assert got["mma"] == {"64x64x16": 36, "64x256x16": 8}, got["mma"]
     assert got["warps"] == 8, got
+    if mask.startswith("gather"):
+        # pages of any size: every copy a 16-byte cp.async (none split into narrower ones), no TMA
+        assert got["ldgsts128"] > 0 and got["tma"] == 0, got
+    else:
+        assert got["tma"] > 0 and got["ldgsts128"] == 0, got

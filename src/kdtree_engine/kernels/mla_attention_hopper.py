@@ -16,8 +16,12 @@ The two warpgroups have roles (gl.warp_specialize), as in FlashMLA:
   0 .. d_c / 2);
 - warpgroup 1 accumulates the second half of O from the same P, so its tensor work on tile i
   overlaps warpgroup 0's scores and softmax of tile i + 1.
-A tile is three TMA groups (rope columns, first and second latent half), each in two buffers with
-its own mbarriers, refilled two tiles ahead by the warpgroup that frees it.
+A tile is three copy groups (rope columns, first and second latent half), each in two buffers with
+its own mbarriers, refilled two tiles ahead by the warpgroup that frees it. A cache that TMA can read
+in 64-row boxes (contiguous, or pages of a multiple of 64 rows) is copied by TMA; any other page size
+(SGLang's token pool has pages of one row) is gathered: the freeing warpgroup's 128 threads look the
+tile's rows up in the block table one tile ahead of the copy and move them with cp.async, each thread
+arriving on the group's mbarrier when its copies have landed.
 """
 
 import functools
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -50,6 +55,8 @@ CAUSAL = gl.constexpr(MASK_CAUSAL)
 VISIBILITY = gl.constexpr(MASK_VISIBILITY)
 BM = gl.constexpr(BLOCK_M)
 BN = gl.constexpr(TILE)
+GATHER_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # a gathered 64 x 64 chunk
+WARPGROUP = gl.constexpr(128)  # threads per warpgroup: the arrivals a gathered group's mbarrier counts
 WORKER_REGS = gl.constexpr(192)  # warpgroup 1's registers per thread (O half: 128); warpgroup 0 gets the rest
 
 
@@ -61,19 +68,25 @@ def supported_device(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
+def gathers(kv_cache: torch.Tensor, paged: bool) -> bool:
+    """Whether the kernel gathers the cache's rows (cp.async through the block table, row by row)
+    instead of copying 64-row boxes by TMA: a paged cache whose pages are not a multiple of 64 rows."""
+    return paged and kv_cache.shape[1] % 64 != 0
+
+
 def serves(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool) -> bool:
     """Whether this kernel can run the call: Hopper, bf16/fp16, (d_c, d_r) in SHAPES, 16-byte aligned q
-    and cache rows, a cache TMA can read in 64-row boxes (contiguous, and a paged cache's pages a
-    multiple of 64 rows), and at least MIN_ROWS query rows per request unless the cache is paged: on
-    pages of 64 this kernel, one 64-row block for the few rows, beat every Triton decode launch timed at
-    h = 8, t = 1 (docs/notes/kernels.md)."""
+    and a contiguous 16-byte aligned cache, and at least MIN_ROWS query rows per request unless the
+    cache's pages are a multiple of 64 rows: on pages of 64 this kernel, one 64-row block for the few
+    rows, beat every Triton decode launch timed at h = 8, t = 1 (docs/notes/kernels.md); decode on a
+    gathered cache (pages of 1, ...) stays with the Triton kernel until it is timed."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda:
         return False
-    if (d_v, q.shape[-1] - d_v) not in SHAPES or (q.shape[1] * q.shape[2] < MIN_ROWS and not paged):
+    few_rows = q.shape[1] * q.shape[2] < MIN_ROWS
+    if (d_v, q.shape[-1] - d_v) not in SHAPES or (few_rows and (not paged or gathers(kv_cache, paged))):
         return False
     aligned = kv_cache.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
-    tma_boxes = kv_cache.is_contiguous() and (not paged or kv_cache.shape[1] % 64 == 0)
-    return aligned and tma_boxes and supported_device(q.get_device())
+    return aligned and kv_cache.is_contiguous() and supported_device(q.get_device())
 
 
 def cache_desc(kv_cache: torch.Tensor) -> TensorDescriptor:
@@ -94,13 +107,15 @@ class Consts:
     D_R: gl.constexpr
     PAGED: gl.constexpr
     MASK_MODE: gl.constexpr
+    GATHER: gl.constexpr  # copy the tiles row by row through the block table (cp.async), not by TMA
 
     @gluon.constexpr_function
-    def __init__(self, D_C, D_R, PAGED, MASK_MODE):
+    def __init__(self, D_C, D_R, PAGED, MASK_MODE, GATHER):
         self.D_C = gl.constexpr(D_C)
         self.D_R = gl.constexpr(D_R)
         self.PAGED = gl.constexpr(PAGED)
         self.MASK_MODE = gl.constexpr(MASK_MODE)
+        self.GATHER = gl.constexpr(GATHER)
 
 
 @aggregate
@@ -110,6 +125,7 @@ class Job:
 
     q_ptr: gl.tensor
     desc: tma.tensor_descriptor
+    kv_ptr: gl.tensor  # the same cache, for the gathered copies
     seqlens_ptr: gl.tensor
     bt_ptr: gl.tensor
     vis_ptr: gl.tensor
@@ -134,9 +150,9 @@ class Job:
     stride_vi: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr, T, H,
-                 M, MB, NT, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb, stride_vb,
-                 stride_vi):  # fmt: skip
+    def __init__(self, q_ptr, desc, kv_ptr, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr,
+                 plse_ptr, T, H, M, MB, NT, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb,
+                 stride_vb, stride_vi):  # fmt: skip
         for name, value in list(locals().items()):
             if name != "self":
                 setattr(self, name, value)
@@ -280,20 +296,66 @@ def _store_lse(m_i, l_i, lse_ptr, blk, M, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _issue_group(job, bars, bufs, g, i, n, v_lo, b, seqlen, CH0: gl.constexpr, NCH: gl.constexpr,
-                 D_C: gl.constexpr, PAGED: gl.constexpr):  # fmt: skip
-    """TMA of one group of the row block's local tile i (program tile g), if the block has that tile
+def _issue_group(job, cst, bars, bufs, g, i, n, v_lo, b, seqlen, rows, valid, CH0: gl.constexpr,
+                 NCH: gl.constexpr):  # fmt: skip
+    """Copy of one group of the row block's local tile i (program tile g), if the block has that tile
     (i < n): cache columns CH0 * 64 .. (CH0 + NCH) * 64 of the tile's 64 rows into the same columns of
     buffer g % 2 of bufs (the rope buffers take CH0 = D_C / 64 into their columns 0 ..); bar g % 2
-    completes when the group has landed."""
-    row = _cache_row(job, b, (v_lo + i) * BN, seqlen, PAGED)
+    completes when the group has landed. By TMA, or gathered from the cache rows `rows` (valid: below
+    the request's length; _gather_rows of the tile) when cst.GATHER."""
+    D_C: gl.constexpr = cst.D_C
     bar = bars.index(g % 2)
     dst = bufs.index(g % 2)
-    pred = i < n
-    mbarrier.expect(bar, NCH * 64 * 64 * 2, pred=pred)
+    if cst.GATHER:
+        if i < n:
+            _gather_group(job, bar, dst, rows, valid, CH0, NCH, D_C, D_C + cst.D_R)
+    else:
+        row = _cache_row(job, b, (v_lo + i) * BN, seqlen, cst.PAGED)
+        pred = i < n
+        mbarrier.expect(bar, NCH * 64 * 64 * 2, pred=pred)
+        for k in gl.static_range(NCH):
+            chunk = dst.slice((CH0 + k) * 64 % D_C, 64, dim=1)
+            tma.async_copy_global_to_shared(job.desc, [row, (CH0 + k) * 64], bar, chunk, pred=pred)
+
+
+@gluon.jit
+def _gather_rows(job, b, first, seqlen, GATHER: gl.constexpr):
+    """(rows, valid) of cache positions first .. first + BN of request b when GATHER (else placeholders):
+    the int64 rows of the cache viewed as [rows, D] through the block table, and which positions lie
+    below seqlen. Positions past it are clamped to its last, so the table is never read past the
+    request; their copies are zero-filled. Looked up a tile ahead, so the table's latency hides behind
+    the tensor work."""
+    if GATHER:
+        pos = first + gl.arange(0, BN, gl.SliceLayout(1, GATHER_LD))
+        valid = pos < seqlen
+        pos = gl.minimum(pos, gl.maximum(seqlen - 1, 0))
+        page = gl.load(job.bt_ptr + b * job.stride_btb + pos // job.page_size)
+        return page.to(gl.int64) * job.page_size + pos % job.page_size, valid
+    else:
+        return 0, 0
+
+
+@gluon.jit
+def _gather_group(job, bar, dst, rows, valid, CH0: gl.constexpr, NCH: gl.constexpr, D_C: gl.constexpr,
+                  D: gl.constexpr):  # fmt: skip
+    """cp.async of cache columns CH0 * 64 .. (CH0 + NCH) * 64 of rows `rows` into dst (as _issue_group),
+    16 bytes per copy, rows not valid zero-filled; then each of the warpgroup's threads arrives on bar
+    once its copies have landed (the barrier counts WARPGROUP arrivals)."""
+    cols = gl.arange(0, 64, gl.SliceLayout(0, GATHER_LD))
+    base = job.kv_ptr + rows[:, None] * D  # D a multiple of 8: the copies move whole 16-byte vectors
     for k in gl.static_range(NCH):
         chunk = dst.slice((CH0 + k) * 64 % D_C, 64, dim=1)
-        tma.async_copy_global_to_shared(job.desc, [row, (CH0 + k) * 64], bar, chunk, pred=pred)
+        cp.async_copy_global_to_shared(chunk, base + ((CH0 + k) * 64 + cols)[None, :], mask=valid[:, None])
+    cp.mbarrier_arrive(bar, increment_count=False)
+
+
+@gluon.jit
+def _landed(bar, phase, GATHER: gl.constexpr):
+    """Waits until a copy group has landed; a gathered one (written by cp.async, the generic proxy) is
+    then fenced for the tensor cores, which read shared memory through the async proxy."""
+    mbarrier.wait(bar, phase)
+    if GATHER:
+        fence_async_shared()
 
 
 @gluon.jit
@@ -316,8 +378,8 @@ def _wg0(job, sm, cst):
     """Warpgroup 0: Q, scores, softmax, P for warpgroup 1, and O's first latent half."""
     D_C: gl.constexpr = cst.D_C
     D_R: gl.constexpr = cst.D_R
-    PAGED: gl.constexpr = cst.PAGED
     MASK_MODE: gl.constexpr = cst.MASK_MODE
+    GATHER: gl.constexpr = cst.GATHER
     HALF: gl.constexpr = D_C // 2
     dtype: gl.constexpr = job.q_ptr.dtype.element_ty
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -335,8 +397,13 @@ def _wg0(job, sm, cst):
         b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb, MASK_MODE)
         n = gl.maximum(v_end - v_lo, 0)
         for i in gl.static_range(2):  # the first two tiles' groups of this partition
-            _issue_group(job, sm.full_r, sm.kr_smem, g + i, i, n, v_lo, b, seqlen, D_C // 64, 1, D_C, PAGED)
-            _issue_group(job, sm.full_0, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, 0, HALF // 64, D_C, PAGED)
+            kv_rows, kv_ok = _gather_rows(job, b, (v_lo + i) * BN, seqlen, GATHER)
+            _issue_group(
+                job, cst, sm.full_r, sm.kr_smem, g + i, i, n, v_lo, b, seqlen, kv_rows, kv_ok, D_C // 64, 1
+            )
+            _issue_group(
+                job, cst, sm.full_0, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, kv_rows, kv_ok, 0, HALF // 64
+            )
         _stage_q(job, sm, b, blk, D_C, D_R, ld)
 
         rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
@@ -347,6 +414,7 @@ def _wg0(job, sm, cst):
             v = v_lo + i
             buf = g % 2
             phase = (g // 2) & 1
+            kv_rows, kv_ok = _gather_rows(job, b, (v + 2) * BN, seqlen, GATHER)  # tile i + 2's, a tile ahead
             if v * BN + BN > seqlen:  # the request's last tile: zero the rows past its end
                 mbarrier.wait(sm.full_r.index(buf), phase)
                 mbarrier.wait(sm.full_0.index(buf), phase)
@@ -357,18 +425,17 @@ def _wg0(job, sm, cst):
                 gl.thread_barrier()
             kc_lo = sm.kc_smem.index(buf).slice(0, HALF, dim=1)
             kc_hi = sm.kc_smem.index(buf).slice(HALF, HALF, dim=1)
-            mbarrier.wait(sm.full_r.index(buf), phase)
+            _landed(sm.full_r.index(buf), phase, GATHER)
             kr = sm.kr_smem.index(buf)
             s = warpgroup_mma(sm.qr_smem, kr.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            mbarrier.wait(sm.full_0.index(buf), phase)
+            _landed(sm.full_0.index(buf), phase, GATHER)
             s = warpgroup_mma(sm.qc_smem.slice(0, HALF, dim=1), kc_lo.permute((1, 0)), s, is_async=True)
-            mbarrier.wait(sm.full_1.index(buf), phase)
+            _landed(sm.full_1.index(buf), phase, GATHER)
             s = warpgroup_mma(sm.qc_smem.slice(HALF, HALF, dim=1), kc_hi.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
             gl.thread_barrier()  # every warp is past this tile's scores: its rope buffer is free
-            _issue_group(
-                job, sm.full_r, sm.kr_smem, g + 2, i + 2, n, v_lo, b, seqlen, D_C // 64, 1, D_C, PAGED
-            )
+            _issue_group(job, cst, sm.full_r, sm.kr_smem, g + 2, i + 2, n, v_lo, b, seqlen, kv_rows, kv_ok,
+                         D_C // 64, 1)  # fmt: skip
             if v >= n_free:
                 s = _tree_mask(s, job, b, rows, v * BN + cols, prefix, seqlen, MASK_MODE)
             s = s * job.qk_scale
@@ -388,9 +455,8 @@ def _wg0(job, sm, cst):
             acc = warpgroup_mma(sm.p_smem, kc_lo, acc * alpha_o[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()  # every warp is done with this tile's first half
-            _issue_group(
-                job, sm.full_0, sm.kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, 0, HALF // 64, D_C, PAGED
-            )
+            _issue_group(job, cst, sm.full_0, sm.kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, kv_rows, kv_ok,
+                         0, HALF // 64)  # fmt: skip
             g += 1
         # the row sums for warpgroup 1's half of O
         mbarrier.wait(sm.l_empty, (j - 1) & 1, pred=j > 0)
@@ -404,7 +470,7 @@ def _wg0(job, sm, cst):
 def _wg1(job, sm, cst):
     """Warpgroup 1: O's second latent half from warpgroup 0's P, and its copies of that half."""
     D_C: gl.constexpr = cst.D_C
-    PAGED: gl.constexpr = cst.PAGED
+    GATHER: gl.constexpr = cst.GATHER
     HALF: gl.constexpr = D_C // 2
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])  # fmt: skip
@@ -415,21 +481,23 @@ def _wg1(job, sm, cst):
         b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb, cst.MASK_MODE)
         n = gl.maximum(v_end - v_lo, 0)
         for i in gl.static_range(2):
-            _issue_group(job, sm.full_1, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, HALF // 64, HALF // 64,
-                         D_C, PAGED)  # fmt: skip
+            kv_rows, kv_ok = _gather_rows(job, b, (v_lo + i) * BN, seqlen, GATHER)
+            _issue_group(job, cst, sm.full_1, sm.kc_smem, g + i, i, n, v_lo, b, seqlen, kv_rows, kv_ok,
+                         HALF // 64, HALF // 64)  # fmt: skip
         acc = gl.zeros([BM, HALF], gl.float32, o_layout)
         for i in range(n):
             buf = g % 2
+            kv_rows, kv_ok = _gather_rows(job, b, (v_lo + i + 2) * BN, seqlen, GATHER)  # a tile ahead
             mbarrier.wait(sm.p_full, g & 1)
-            mbarrier.wait(sm.full_1.index(buf), (g // 2) & 1)
+            _landed(sm.full_1.index(buf), (g // 2) & 1, GATHER)
             alpha = sm.a_smem.load(gl.SliceLayout(1, o_layout))
             kc_hi = sm.kc_smem.index(buf).slice(HALF, HALF, dim=1)
             acc = warpgroup_mma(sm.p_smem, kc_hi, acc * alpha[:, None], is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             gl.thread_barrier()  # every warp is done with P, alpha and this tile's second half
             mbarrier.arrive(sm.p_empty)
-            _issue_group(job, sm.full_1, sm.kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, HALF // 64, HALF // 64,
-                         D_C, PAGED)  # fmt: skip
+            _issue_group(job, cst, sm.full_1, sm.kc_smem, g + 2, i + 2, n, v_lo, b, seqlen, kv_rows, kv_ok,
+                         HALF // 64, HALF // 64)  # fmt: skip
             g += 1
         mbarrier.wait(sm.l_full, j & 1)
         l_i = sm.l_smem.load(gl.SliceLayout(1, o_layout))
@@ -442,6 +510,7 @@ def _wg1(job, sm, cst):
 def _attention_kernel(
     q_ptr,  # [b, M, D_C + D_R] (M = t * h rows, row = node * h + head)
     desc,  # TMA descriptor of the cache viewed as [rows, D_C + D_R], boxes of 64 x 64
+    kv_ptr,  # the cache, for the gathered copies (GATHER)
     seqlens_ptr,  # [b] int
     bt_ptr,  # block table [b, pages] (paged) or unused
     vis_ptr,  # visibility [b, t, t] uint8, ancestor bits [b, t] int64, or unused (causal)
@@ -468,6 +537,7 @@ def _attention_kernel(
     D_R: gl.constexpr,
     PAGED: gl.constexpr,
     MASK_MODE: gl.constexpr,
+    GATHER: gl.constexpr,  # any page size: rows gathered by cp.async through the block table, not TMA
     SCHED_ON_DEVICE: gl.constexpr,
     num_warps: gl.constexpr,  # 4: warpgroup 0; warpgroup 1 is the worker partition
 ):
@@ -498,20 +568,21 @@ def _attention_kernel(
     full_0 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     full_1 = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    arrivals: gl.constexpr = WARPGROUP if GATHER else 1  # each copying thread, or the TMA's expect
     for k in gl.static_range(2):
-        mbarrier.init(full_r.index(k), count=1)
-        mbarrier.init(full_0.index(k), count=1)
-        mbarrier.init(full_1.index(k), count=1)
+        mbarrier.init(full_r.index(k), count=arrivals)
+        mbarrier.init(full_0.index(k), count=arrivals)
+        mbarrier.init(full_1.index(k), count=arrivals)
     for k in gl.static_range(4):
         mbarrier.init(sync.index(k), count=1)
     # (scalars as tensors: the JIT passes an int argument equal to 1 as a constexpr)
-    job = Job(q_ptr, desc, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr,
+    job = Job(q_ptr, desc, kv_ptr, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr,
               gl.to_tensor(T), gl.to_tensor(H), gl.to_tensor(M), gl.to_tensor(MB), nt, u0, u1, c,
               gl.to_tensor(qk_scale), gl.to_tensor(cap), gl.to_tensor(page_size), gl.to_tensor(stride_qb),
               gl.to_tensor(stride_btb), gl.to_tensor(stride_vb), gl.to_tensor(stride_vi))  # fmt: skip
     sm = Smem(qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem, full_r, full_0, full_1,
               sync.index(0), sync.index(1), sync.index(2), sync.index(3))  # fmt: skip
-    args = (job, sm, Consts(D_C, D_R, PAGED, MASK_MODE))
+    args = (job, sm, Consts(D_C, D_R, PAGED, MASK_MODE, GATHER))
     gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WORKER_REGS])
 
 
@@ -570,9 +641,10 @@ def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.
     page_size = kv_cache.shape[1] if p.paged else 1
     nt, per, units = launch.host[:3] if launch.host else (0, 0, 0)
     _attention_kernel[(launch.programs,)](
-        q, cache_desc(kv_cache), p.seqlens, p.table, p.mask.tensor, out, lse, launch.part, launch.plse,
-        launch.sched, nt, per, units, p.t, p.h, p.rows, launch.blocks, p.qk_scale, kv_cache.shape[1],
-        page_size, q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
-        D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode, SCHED_ON_DEVICE=launch.host is None,
+        q, cache_desc(kv_cache), kv_cache, p.seqlens, p.table, p.mask.tensor, out, lse, launch.part,
+        launch.plse, launch.sched, nt, per, units, p.t, p.h, p.rows, launch.blocks, p.qk_scale,
+        kv_cache.shape[1], page_size, q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
+        D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode,
+        GATHER=gathers(kv_cache, p.paged), SCHED_ON_DEVICE=launch.host is None,
         num_warps=4,
     )  # fmt: skip
