@@ -6,7 +6,7 @@
 # Arguments: "tests" or "bench" to run one half only; "e2e" runs `kdtree-engine bench e2e` alone (about
 # 4 minutes: it does not fit beside the rest in one 600 s device call); "sglang" runs the SGLang drop-in's
 # GPU tests against the port at .peers/sglang, then `kdtree-engine bench sglang` (its tree path);
-# "sglang-verify" runs the GPU tests against SGLang's Triton extend kernel, then `kdtree-engine bench
+# "sglang-verify" runs the attention kernel's GPU tests and those against SGLang's Triton extend kernel, then `kdtree-engine bench
 # sglang` with both sections (the tree path at the verify-attention section's batches and budgets t - 1).
 # "kimi" runs the GPU tests of the MoE kernels, of the row-invariant mode (GEMM, attention, model; issue 32)
 # and of `bench kimi`, the row-invariant GEMM against cuBLAS (scripts/bench_linear.py, issue 32), then `kdtree-engine bench kimi` with its layer,
@@ -45,6 +45,9 @@ if [ "$what" = sglang ]; then
   exit $status
 fi
 if [ "$what" = sglang-verify ]; then
+  # the attention kernel's GPU tests first: the Hopper kernel now gathers SGLang's pages of one row
+  timeout "${T_KT:-160}" python3 -m pytest -q -m gpu tests/kernels/test_mla_attention.py -p no:cacheprovider \
+    "${xdist[@]}" -rs 2>&1 | tee "$R/attention_tests.log" | tail -20 || status=1
   KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-150}" python3 -m pytest -q -m gpu \
     tests/integrations/test_sglang_extend.py -p no:cacheprovider -rs 2>&1 | tee "$R/sglang_verify_tests.log" \
     | tail -30 || status=1
