@@ -317,7 +317,8 @@ def test_gpu_few_rows_on_gathered_pages_stay_with_triton(device, page):
     (not yet timed against it); on pages of 64 the Hopper kernel takes it."""
     if not _hopper(device):
         pytest.skip("the Hopper kernel needs a compute capability 9.x GPU")
-    plan = check(device, 3, 1, 8, 512, 64, [5, 700, 64], torch.bfloat16, page, "chain", seed=page, impl="hopper")
+    plan = check(device, 3, 1, 8, 512, 64, [5, 700, 64], torch.bfloat16, page, "chain", seed=page,
+                 impl="hopper")  # fmt: skip
     assert plan.kernel == ("hopper" if page == 64 else "triton")
 
 

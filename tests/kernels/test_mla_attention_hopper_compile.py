@@ -23,8 +23,9 @@ from kdtree_engine.kernels import mla_attention_hopper as k
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
 desc = TensorDescriptor(torch.zeros(128, 576, dtype=torch.bfloat16), [128, 576], [576, 1], [64, 64], box)
-SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "kv_ptr": "*bf16", "seqlens_ptr": "*i32", "bt_ptr": "*i32", "vis_ptr": "*u8",
-       "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32", "plse_ptr": "*fp32", "sched_ptr": "*i32"}
+SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "kv_ptr": "*bf16", "seqlens_ptr": "*i32",
+       "bt_ptr": "*i32", "vis_ptr": "*u8", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32",
+       "plse_ptr": "*fp32", "sched_ptr": "*i32"}
 SIG.update({name: "i32" for name in ("NT", "PER", "UNITS", "T", "H", "M", "MB")})
 SIG["qk_scale"] = "fp32"
 SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_btb", "stride_vb",

@@ -226,7 +226,11 @@ def time_point(fn, compile_fn, h: int, t: int, prefix: int, b: int, grid: Verify
         return time_graph(f, rep_ms=grid.rep_ms, warmup=2).median_us
 
     row.update(port_step_us=timed(port.step), port_kernel_us=timed(port.run))
-    row["ours_step_us"] = timed(ours.step)
+    def ours_step() -> torch.Tensor:  # the worker's compile, without the mask our backend does not read
+        port.compile(with_mask=False)
+        return ours.step()
+
+    row["ours_step_us"] = timed(ours_step)
     ours.step()  # eager metadata and plan again: the captured step's lived in its graph's memory
     row["ours_run_us"] = timed(ours.run)
     return with_derived(row, grid.layers)

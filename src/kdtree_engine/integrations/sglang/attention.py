@@ -32,12 +32,13 @@ import torch
 from kdtree_engine.attention import AttentionPlan, plan_attention
 from kdtree_engine.impl import IMPLS
 from kdtree_engine.integrations.sglang._checks import check_params, need
+from kdtree_engine.ref import sglang_attention as ref_meta
+from kdtree_engine.ref.sglang_attention import MAX_BITS
 
 NAME = "kdtree_mla"
 ENV_IMPL = "KDTREE_ENGINE_SGLANG_ATTENTION_IMPL"
 ENV_FALLBACK = "KDTREE_ENGINE_SGLANG_ATTENTION_FALLBACK"
 ENV_VALIDATE = "KDTREE_ENGINE_SGLANG_ATTENTION_VALIDATE"
-MAX_BITS = 64  # trees up to this many nodes reach the kernel as ancestor bits
 DECODE, VERIFY, DRAFT_EXTEND = "decode", "target_verify", "draft_extend"
 
 # The port's hooks we override or call, with the leading parameters ours take (checked at install).
@@ -214,34 +215,61 @@ class TreeMLABackend:
         return getattr(self.fallback, hook)(*args, **kwargs)
 
     def _metadata(self, forward_batch, kind: str, graph: dict | None) -> ForwardMetadata:
-        """Lengths with the new tokens, the block table from req_to_token, and the tree (verify only)."""
+        """Lengths with the new tokens, the block table from req_to_token, and the tree (verify only):
+        one launch (kernels/sglang_attention.py) where the kernels run, else the torch reference;
+        written into the static buffers for a graph forward."""
         seq_lens = forward_batch.seq_lens
         bs = seq_lens.shape[0]
         t = verify_width(forward_batch.spec_info) if kind == VERIFY else 0
         bound = None if graph is not None else host_bound(forward_batch, t)
-        seqlens = (seq_lens + t).to(torch.int32)
-        table = self._block_table(forward_batch.req_pool_indices, bound)
-        if graph is not None:
-            seqlens, table = _into(graph["seqlens"], seqlens), _into(graph["block_table"], table)
+        pages = -(-self.req_to_token.shape[1] // self.page_size)
+        cols = pages if bound is None else min(pages, -(-bound // self.page_size))
+        vis = tree_visibility(forward_batch.spec_info, t) if kind == VERIFY else None
+        as_bits = vis is not None and t <= MAX_BITS and self.config.impl != "ref"  # ref plans copy bits
+        inputs = (seq_lens, forward_batch.req_pool_indices, self.req_to_token)
+        if self._metadata_kernel(vis):
+            from kdtree_engine.kernels import sglang_attention as meta_kernel  # Triton is optional
+
+            seqlens, table, bits = self._metadata_buffers(bs, cols, t if as_bits else 0, graph)
+            meta_kernel.verify_metadata(
+                *inputs, vis if as_bits else None, t, self.page_size, seqlens, table, bits
+            )
+        else:
+            seqlens, table, bits = ref_meta.verify_metadata(
+                *inputs, vis if as_bits else None, t, self.page_size, cols
+            )
+            if graph is not None:
+                seqlens, table = _into(graph["seqlens"], seqlens), _into(graph["block_table"], table)
+                bits = None if bits is None else _into(graph["bits"], bits)
         meta = ForwardMetadata(kind, seqlens, table, max_seqlen=bound, graph=graph is not None)
-        if kind == VERIFY:
-            vis = tree_visibility(forward_batch.spec_info, bs, t, self.device)
-            if t <= MAX_BITS and self.config.impl != "ref":  # the reference plan copies bits at plan time
-                bits = visibility_to_bits(vis)
-                meta.bits = bits if graph is None else _into(graph["bits"], bits)
-            else:
-                meta.visibility = vis if graph is None else _into(graph["visibility"], vis)
+        if as_bits:
+            meta.bits = bits
+        elif vis is not None:
+            padded = ref_meta.padded_visibility(vis, bs, t).to(self.device)
+            meta.visibility = padded if graph is None else _into(graph["visibility"], padded)
         return meta
 
-    def _block_table(self, req_pool_indices: torch.Tensor, max_len: int | None) -> torch.Tensor:
-        """[bs, pages] int32: page p of request r is req_to_token[r, p * page] // page (page-aligned
-        rows, as SGLang's paged allocator hands them out); page size 1 is the rows themselves."""
-        rows = self.req_to_token[req_pool_indices.long()]
-        if max_len is not None:
-            rows = rows[:, : -(-max_len // self.page_size) * self.page_size]
-        if self.page_size == 1:
-            return rows.to(torch.int32)
-        return (rows[:, :: self.page_size] // self.page_size).to(torch.int32)
+    def _metadata_kernel(self, vis: torch.Tensor | None) -> bool:
+        """Whether the metadata kernel runs: where the attention kernels do (CUDA unless impl="ref"; the
+        CPU only with impl="triton", through the interpreter), on a bool visibility of unit column stride
+        on the same device."""
+        on = self.config.impl != "ref" and (self.device.type == "cuda" or self.config.impl == "triton")
+        fits = vis is None or (vis.dtype == torch.bool and vis.stride(-1) == 1 and vis.device == self.device)
+        return on and fits and self.req_to_token.dtype == torch.int32 and self.req_to_token.stride(1) == 1
+
+    def _metadata_buffers(self, bs: int, cols: int, t: int, graph: dict | None):
+        """(seqlens [bs], block table [bs, cols], bits [bs, t] or None): fresh, or heads of the static
+        graph buffers (whose block table is as wide as req_to_token's pages)."""
+        if graph is None:
+            dev = self.device
+            seqlens = torch.empty(bs, dtype=torch.int32, device=dev)
+            table = torch.empty(bs, cols, dtype=torch.int32, device=dev)
+            bits = torch.empty(bs, t, dtype=torch.int64, device=dev) if t else None
+            return seqlens, table, bits
+        need(bs <= graph["seqlens"].shape[0] and bs * t <= graph["bits"].numel(), "init_cuda_graph_state",
+             f"graph buffers too small for {bs} requests of {t} nodes")  # fmt: skip
+        bits = graph["bits"][: bs * t].view(bs, t) if t else None
+        return graph["seqlens"][:bs], graph["block_table"][:bs, :cols], bits
 
     def _layer_cache(self, layer, d: int) -> torch.Tensor:
         """The layer's pool buffer [slots, 1, d] seen as pages [slots / page, page, d] (no copy)."""
@@ -294,25 +322,13 @@ def verify_width(spec_info) -> int:
     return int(spec_info.draft_token_num)
 
 
-def tree_visibility(spec_info, bs: int, t: int, device) -> torch.Tensor:
-    """[bs, t, t] bool from the verify input's visibility; requests past its batch (padding of a
-    replayed graph) see only themselves."""
+def tree_visibility(spec_info, t: int) -> torch.Tensor:
+    """The verify input's visibility [>= bs or fewer, >= t, >= t] (ref_meta.padded_visibility pads it)."""
     vis = getattr(spec_info, "visibility", None)
     need(vis is not None, "spec_info.visibility", "the verify input carries no tree (did install() run?)")
     need(vis.dim() == 3 and vis.shape[1] >= t and vis.shape[2] >= t, "spec_info.visibility",
          f"expected [bs, >= {t}, >= {t}], got {tuple(vis.shape)}")  # fmt: skip
-    vis = vis[:bs, :t, :t].to(device=device, dtype=torch.bool)
-    if vis.shape[0] == bs:
-        return vis
-    pad = torch.eye(t, dtype=torch.bool, device=device).expand(bs - vis.shape[0], t, t)
-    return torch.cat([vis, pad])
-
-
-def visibility_to_bits(vis: torch.Tensor) -> torch.Tensor:
-    """[b, t, t] bool -> [b, t] int64, bit j of row i = vis[i, j] (t <= 64; bit 63 is the sign bit)."""
-    t = vis.shape[-1]
-    weights = torch.ones(t, dtype=torch.int64, device=vis.device) << torch.arange(t, device=vis.device)
-    return (vis.long() * weights).sum(-1)
+    return vis
 
 
 def host_bound(forward_batch, t: int) -> int | None:
