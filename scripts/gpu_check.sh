@@ -46,7 +46,7 @@ if [ "$what" = sglang ]; then
 fi
 if [ "$what" = sglang-verify ]; then
   # the attention kernel's GPU tests first: the Hopper kernel now gathers SGLang's pages of one row
-  timeout "${T_KT:-160}" python3 -m pytest -q -m gpu tests/kernels/test_mla_attention.py -p no:cacheprovider \
+  timeout "${T_KT:-160}" python3 -m pytest -q tests/kernels/test_mla_attention.py tests/kernels/test_sglang_attention_metadata.py -p no:cacheprovider \
     "${xdist[@]}" -rs 2>&1 | tee "$R/attention_tests.log" | tail -20 || status=1
   KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-150}" python3 -m pytest -q -m gpu \
     tests/integrations/test_sglang_extend.py -p no:cacheprovider -rs 2>&1 | tee "$R/sglang_verify_tests.log" \
