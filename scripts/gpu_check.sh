@@ -51,8 +51,10 @@ if [ "$what" = sglang-verify ]; then
   KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-150}" python3 -m pytest -q -m gpu \
     tests/integrations/test_sglang_extend.py -p no:cacheprovider -rs 2>&1 | tee "$R/sglang_verify_tests.log" \
     | tail -30 || status=1
+  # VERIFY_PAGES="1 64" adds SGLang's 64-slot pages (FlashMLA's) to the token pool: twice the points
+  # shellcheck disable=SC2086
   timeout "${T_SGLANG:-420}" python3 -m kdtree_engine bench sglang --sections tree verify-attention \
-    --batch 1 16 64 --budgets 8 16 32 --out "$R/sglang_verify" 2>&1 | tee "$R/bench_sglang_verify.log" \
+    --verify-page-sizes ${VERIFY_PAGES:-1} --batch 1 16 64 --budgets 8 16 32 --out "$R/sglang_verify" 2>&1 | tee "$R/bench_sglang_verify.log" \
     | tail -60 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status

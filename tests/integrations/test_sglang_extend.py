@@ -270,12 +270,35 @@ def test_the_sections_saving_per_round_and_report():
     slow = with_derived({**row, "prefix": 1024, "port_step_us": 240.0}, layers=61)  # 4x
     tree = [{"batch": 16, "budget": 32, "port greedy path": 3400.0, "ours greedy path": 200.0}]
     text = report([row, slow], tree)
-    assert "| 8 | 33 | 4096 | 16 | hopper |" in text and f"{row['saved_round_ms']:.2f} | 3.20 |" in text
+    assert "| 8 | 33 | 4096 | 16 | 1 | hopper |" in text and f"{row['saved_round_ms']:.2f} | 3.20 |" in text
     assert f"{row['saved_round_ms'] + 3.2:.2f}" in text
     assert ">= 5x at 1/2 points, >= 10x at 1/1 points" in text and "lowest 4.0x" in text
     assert VerifyGrid().layers == 61 and len(list(VerifyGrid().points())) == 3 * 3 * 4 * 3
     with pytest.raises(ValueError, match="heads"):
         VerifyGrid(heads=())
+
+
+@pytest.mark.parametrize("page", [1, 3, 64])
+def test_the_pool_hands_out_whole_pages_in_order(page):
+    """make_token_pool: a request's rows fill its pages in order (req_to_token[r, p * page + o] is
+    page_id * page + o), page 0 (the padding) goes to nobody, no page is shared, and the pool holds the
+    problem's rows where req_to_token says."""
+    gen = torch.Generator().manual_seed(page)
+    prefixes, t = [0, 5, 130], 3
+    kv = torch.randn(3, max(prefixes) + t, 8, generator=gen)
+    pool = make_token_pool(kv, torch.tensor(prefixes, dtype=torch.int32), t, page=page, gen=gen)
+    assert pool.page == page and pool.kv.shape[0] % page == 0
+    seen = set()
+    for r, n in enumerate(p + t for p in prefixes):
+        slots = pool.req_to_token[pool.req_pool_indices[r], :n].long()
+        assert torch.equal(slots % page, torch.arange(n) % page)
+        pages = (slots // page)[::page]
+        assert torch.equal(slots // page, pages.repeat_interleave(page)[:n]) and 0 not in pages.tolist()
+        assert not seen & set(pages.tolist())
+        seen |= set(pages.tolist())
+        assert torch.equal(pool.kv[slots, 0], kv[r, :n])
+    with pytest.raises(ValueError, match="^page"):
+        make_token_pool(kv, torch.tensor(prefixes, dtype=torch.int32), t, page=0)
 
 
 def stand_in_compile(*, visibility, past_lengths, tree_attention_mask, **_):
@@ -299,12 +322,14 @@ def test_the_section_runs_its_points_off_the_gpu_with_the_timer_stubbed(tmp_path
         return timing.Timing(10.0 if len(calls) % 2 else 2.0, 0, 0, 1, "graph")
 
     monkeypatch.setattr(timing, "time_graph", fake_time_graph)
-    grid = sglang_verify.VerifyGrid(heads=(2,), tokens=(3,), prefixes=(64, 1 << 20), batch=(1,), max_gb=0.5)
+    grid = sglang_verify.VerifyGrid(heads=(2,), tokens=(3,), prefixes=(64, 1 << 20), batch=(2,),
+                                    pages=(1, 16), max_gb=0.5)  # fmt: skip
     rows = sglang_verify.run_section(fn, stand_in_compile, grid, torch.device("cpu"), on_row=lambda r: None)
-    assert "prefix=1048576 b=1 skipped" in capsys.readouterr().out
-    (row,) = rows
-    assert row["mask_equal"] and row["max_diff"] <= 2e-2 and len(calls) == 4
-    assert row["port_step_us"] == 10.0 and row["port_kernel_us"] == 2.0 and row["step_x"] == 1.0
+    assert "prefix=1048576 b=2 page=16 skipped" in capsys.readouterr().out
+    assert [row["page"] for row in rows] == [1, 16] and len(calls) == 8
+    for row in rows:  # both sides on the same pool of 1- or 16-slot pages
+        assert row["mask_equal"] and row["max_diff"] <= 2e-2
+        assert row["port_step_us"] == 10.0 and row["port_kernel_us"] == 2.0 and row["step_x"] == 1.0
     results = {"header": "h", "rows": [], "verify_attention": rows}
     text = sglang.write_results(results, tmp_path)
     assert "## Verify attention" in text and (tmp_path / "sglang_bench.md").read_text() == text

@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify-tokens", **ints, default=list(grid.tokens), help="tree nodes t")
     parser.add_argument("--verify-prefixes", **ints, default=list(grid.prefixes), help="prefix per request")
     parser.add_argument("--verify-batch", **ints, default=list(grid.batch), help="batch sizes")
+    pages_help = "KV pool page sizes (1: SGLang's token pool; 64: its FlashMLA pages)"
+    parser.add_argument("--verify-page-sizes", **ints, default=list(grid.pages), help=pages_help)
     layers_help = "attention layers per round (Kimi-K2: 61)"
     parser.add_argument("--layers", type=int, default=grid.layers, help=layers_help)
     parser.add_argument("--verify-rep-ms", type=float, default=grid.rep_ms, help="do_bench ms per timing")
@@ -286,6 +288,7 @@ def verify_grid(args: argparse.Namespace) -> VerifyGrid:
         tokens=tuple(args.verify_tokens),
         prefixes=tuple(args.verify_prefixes),
         batch=tuple(args.verify_batch),
+        pages=tuple(args.verify_page_sizes),
         layers=args.layers,
         rep_ms=args.verify_rep_ms,
         max_gb=args.verify_max_gb,

@@ -115,8 +115,9 @@ def check_extend_signature(fn, source: Path) -> None:
 
 @dataclass
 class TokenPool:
-    """SGLang's token-level KV pool for one verify batch (page size 1): `kv` [slots, 1, d] rows (slot 0
-    is the pool's padding slot, never handed out), `req_to_token` [requests, context] int32 slots,
+    """SGLang's MLA KV pool for one verify batch: `kv` [slots, 1, d] rows in pages of `page` slots (1:
+    the token-level pool; page 0 is the pool's padding, never handed out), `req_to_token` [requests,
+    context] int32 slots,
     `req_pool_indices` [b] int64 (the batch's rows of req_to_token), `prefix_lens` [b] int32 (seq_lens of
     the verify batch) and the tree's `t` tokens per request after each prefix."""
 
@@ -125,6 +126,7 @@ class TokenPool:
     req_pool_indices: torch.Tensor
     prefix_lens: torch.Tensor
     t: int
+    page: int = 1
 
     def rows(self, max_len: int) -> torch.Tensor:
         """[b, max_len] int32: each request's first max_len slots (prefix, then tree)."""
@@ -137,30 +139,33 @@ class TokenPool:
 
 
 def make_token_pool(
-    kv: torch.Tensor, prefix_lens: torch.Tensor, t: int, *, spare_requests: int = 2, gen=None
+    kv: torch.Tensor, prefix_lens: torch.Tensor, t: int, *, page: int = 1, spare_requests: int = 2, gen=None
 ) -> TokenPool:
     """The rows of a problem as SGLang's allocator leaves them after a while: kv [b, s_max, d] holds
-    request r's prefix + t rows first (the rest unused); they go to randomly permuted slots (slot 0
-    kept as the padding slot) of a pool with `spare_requests` unused req_to_token rows, the batch's rows
-    in a random order."""
+    request r's prefix + t rows first (the rest unused); they go to randomly permuted pages of `page`
+    slots (page 0 kept as the padding; a request's rows fill its pages in order, as SGLang's paged
+    allocator hands them out) of a pool with `spare_requests` unused req_to_token rows, the batch's
+    rows in a random order."""
     b, s_max, d = kv.shape
     device = kv.device
+    if page < 1:
+        raise ValueError(f"page: expected >= 1, got {page}")
     lengths = prefix_lens.long().cpu() + t
     if int(lengths.max()) > s_max:
         raise ValueError(f"prefix_lens: prefix + t up to {int(lengths.max())} exceeds kv's {s_max} rows")
-    total = int(lengths.sum())
-    slots = (torch.randperm(total, generator=gen) + 1).to(device)
-    pool = torch.zeros(total + 1, 1, d, dtype=kv.dtype, device=device)
+    counts = [-(-n // page) for n in lengths.tolist()]
+    pages = (torch.randperm(sum(counts), generator=gen) + 1).to(device)
+    pool = torch.zeros((sum(counts) + 1) * page, 1, d, dtype=kv.dtype, device=device)
     req_pool_indices = torch.randperm(b + spare_requests, generator=gen)[:b].to(device)
     req_to_token = torch.zeros(b + spare_requests, s_max, dtype=torch.int32, device=device)
     start = 0
-    for r, n in enumerate(lengths.tolist()):
-        mine = slots[start : start + n]
+    for r, (n, count) in enumerate(zip(lengths.tolist(), counts)):
+        mine = (pages[start : start + count, None] * page + torch.arange(page, device=device)).reshape(-1)[:n]
         pool[mine, 0] = kv[r, :n]
         req_to_token[req_pool_indices[r], :n] = mine.int()
-        start += n
+        start += count
     prefix_lens = prefix_lens.to(device=device, dtype=torch.int32)
-    return TokenPool(pool, req_to_token, req_pool_indices, prefix_lens, t)
+    return TokenPool(pool, req_to_token, req_pool_indices, prefix_lens, t, page)
 
 
 def dense_custom_mask(visibility: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:

@@ -57,12 +57,13 @@ class VerifyGrid:
     tokens: tuple[int, ...] = (9, 17, 33)
     prefixes: tuple[int, ...] = (1024, 4096, 8192, 32768)
     batch: tuple[int, ...] = (1, 16, 64)
+    pages: tuple[int, ...] = (1,)  # KV pool page sizes: 1 (the token-level pool), 64 (FlashMLA's)
     layers: int = 61
     rep_ms: float = 50.0
     max_gb: float = 40.0
 
     def __post_init__(self):
-        for name in ("heads", "tokens", "prefixes", "batch"):
+        for name in ("heads", "tokens", "prefixes", "batch", "pages"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name}: expected positive ints, got {values!r}")
@@ -71,8 +72,8 @@ class VerifyGrid:
                              f"{self.max_gb}")  # fmt: skip
 
     def points(self):
-        """(h, t, prefix, b) in report order."""
-        return itertools.product(self.heads, self.tokens, self.prefixes, self.batch)
+        """(h, t, prefix, b, page) in report order."""
+        return itertools.product(self.heads, self.tokens, self.prefixes, self.batch, self.pages)
 
 
 def point_bytes(h: int, t: int, prefix: int, b: int) -> int:
@@ -120,7 +121,7 @@ class OursVerify:
 
         b, t, h, d = q.shape
         runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=pool.req_to_token),
-                                 token_to_kv_pool=_Pool(pool.kv), page_size=1)  # fmt: skip
+                                 token_to_kv_pool=_Pool(pool.kv), page_size=pool.page)  # fmt: skip
         batch = SimpleNamespace(
             forward_mode=_VerifyMode(), seq_lens=pool.prefix_lens.long(), seq_lens_cpu=pool.prefix_lens.cpu(),
             req_pool_indices=pool.req_pool_indices, out_cache_loc=None,
@@ -195,30 +196,32 @@ class PortVerify:
         return self.call(self.fn)
 
 
-def make_point(h: int, t: int, prefix: int, b: int, device, seed: int = 0):
+def make_point(h: int, t: int, prefix: int, b: int, device, seed: int = 0, page: int = 1):
     """(pool, q [b, t, h, d], visibility [b, t, t]): random bf16 rows of every request's prefix and
-    tree in a scattered token pool, random trees (bench attention's)."""
+    tree in a pool of scattered pages of `page` slots, random trees (bench attention's)."""
     from kdtree_engine.bench.attention import _tree_visibility
 
     gen = torch.Generator().manual_seed(seed)
     kv = torch.randn(b, prefix + t, D, device=device, dtype=torch.bfloat16)
     prefix_lens = torch.full((b,), prefix, dtype=torch.int32)
-    pool = make_token_pool(kv, prefix_lens, t, gen=gen)
+    pool = make_token_pool(kv, prefix_lens, t, page=page, gen=gen)
     del kv
     q = torch.randn(b, t, h, D, device=device, dtype=torch.bfloat16)
     return pool, q, _tree_visibility(b, t, gen).to(device)
 
 
-def time_point(fn, compile_fn, h: int, t: int, prefix: int, b: int, grid: VerifyGrid, device) -> dict:
+def time_point(
+    fn, compile_fn, h: int, t: int, prefix: int, b: int, grid: VerifyGrid, device, page: int = 1
+) -> dict:
     """One row: the four times, the ratios, the saving per round, the max difference and the mask check."""
     from kdtree_engine.bench.timing import time_graph
 
-    pool, q, vis = make_point(h, t, prefix, b, device)
+    pool, q, vis = make_point(h, t, prefix, b, device, page=page)
     port = PortVerify.make(fn, compile_fn, pool, q, vis, SCALE, D_V)
     ours = OursVerify.make(pool, q, vis, SCALE, D_V)
     want = port.step().float().reshape(b * t, -1)
     got = ours.step().float()
-    row = {"h": h, "t": t, "prefix": prefix, "batch": b, "kernel": ours.kernel}
+    row = {"h": h, "t": t, "prefix": prefix, "batch": b, "page": page, "kernel": ours.kernel}
     row["max_diff"] = float((want - got).abs().max())
     row["mask_equal"] = bool(torch.equal(port.compile_args["tree_attention_mask"], port.call.custom_mask))
 
@@ -226,6 +229,7 @@ def time_point(fn, compile_fn, h: int, t: int, prefix: int, b: int, grid: Verify
         return time_graph(f, rep_ms=grid.rep_ms, warmup=2).median_us
 
     row.update(port_step_us=timed(port.step), port_kernel_us=timed(port.run))
+
     def ours_step() -> torch.Tensor:  # the worker's compile, without the mask our backend does not read
         port.compile(with_mask=False)
         return ours.step()
@@ -254,13 +258,13 @@ def run_section(fn, compile_fn, grid: VerifyGrid, device, on_row=print) -> list[
     """Every point of the grid (those over grid.max_gb skipped, with a printed line); on_row(row) after
     each, so that a run cut short keeps what it measured."""
     rows = []
-    for h, t, prefix, b in grid.points():
+    for h, t, prefix, b, page in grid.points():
         need = point_bytes(h, t, prefix, b)
         if need > grid.max_gb * 2**30:
-            print(f"verify attention: h={h} t={t} prefix={prefix} b={b} skipped: about {need / 2**30:.0f} GB "
-                  f"over --verify-max-gb {grid.max_gb:g}", flush=True)  # fmt: skip
+            print(f"verify attention: h={h} t={t} prefix={prefix} b={b} page={page} skipped: about "
+                  f"{need / 2**30:.0f} GB over --verify-max-gb {grid.max_gb:g}", flush=True)  # fmt: skip
             continue
-        rows.append(time_point(fn, compile_fn, h, t, prefix, b, grid, device))
+        rows.append(time_point(fn, compile_fn, h, t, prefix, b, grid, device, page))
         on_row(rows[-1])
         torch.cuda.empty_cache()
     return rows
@@ -280,15 +284,16 @@ def report(rows: list[dict], tree_rows: list[dict]) -> str:
     if not rows:
         return "## Verify attention\n\nNo point measured.\n"
     layers = rows[0]["layers"]
-    heads = ["h", "t", "prefix", "B", "kernel", "step port / ours us (x)", "per layer port / ours us (x)",
-             f"attention saved/round ms ({layers} layers)", "drop-in saved/round ms (budget t-1)",
-             "verify step saved/round ms", "max diff", "mask ="]  # fmt: skip
+    heads = ["h", "t", "prefix", "B", "page", "kernel", "step port / ours us (x)",
+             "per layer port / ours us (x)", f"attention saved/round ms ({layers} layers)",
+             "drop-in saved/round ms (budget t-1)", "verify step saved/round ms", "max diff",
+             "mask ="]  # fmt: skip
     table = []
     for r in rows:
         drop_in = drop_in_saving_ms(tree_rows, r["batch"], r["t"] - 1)
         total = None if drop_in is None else r["saved_round_ms"] + drop_in
         table.append([
-            r["h"], r["t"], r["prefix"], r["batch"], r["kernel"],
+            r["h"], r["t"], r["prefix"], r["batch"], r.get("page", 1), r["kernel"],
             f"{r['port_step_us']:.1f} / {r['ours_step_us']:.1f} ({r['step_x']:.1f}x)",
             f"{r['port_kernel_us']:.1f} / {r['ours_run_us']:.1f} ({r['layer_x']:.1f}x)",
             f"{r['saved_round_ms']:.2f}", None if drop_in is None else f"{drop_in:.2f}",
@@ -307,5 +312,5 @@ def goal_line(rows: list[dict]) -> str:
     return (
         f"Goal (issue 31, step times): >= 5x at {five}/{len(rows)} points, >= 10x at {ten}/{len(long_rows)} "
         f"points with prefix >= 4096; lowest {worst['step_x']:.1f}x (h={worst['h']} t={worst['t']} "
-        f"prefix={worst['prefix']} B={worst['batch']})."
+        f"prefix={worst['prefix']} B={worst['batch']} page={worst.get('page', 1)})."
     )
