@@ -45,6 +45,10 @@ if [ "$what" = sglang ]; then
   exit $status
 fi
 if [ "$what" = sglang-verify ]; then
+  # FlashMLA, where its wheel is carried in .whl/ (carry [".peers", ".whl"]): the cascade column on 64-slot pages
+  if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
+    pip install -q --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+  fi
   # the attention kernel's GPU tests first: the Hopper kernel now gathers SGLang's pages of one row
   timeout "${T_KT:-160}" python3 -m pytest -q tests/kernels/test_mla_attention.py tests/kernels/test_sglang_attention_metadata.py -p no:cacheprovider \
     "${xdist[@]}" -rs 2>&1 | tee "$R/attention_tests.log" | tail -20 || status=1

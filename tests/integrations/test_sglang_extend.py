@@ -336,6 +336,25 @@ def test_the_section_runs_its_points_off_the_gpu_with_the_timer_stubbed(tmp_path
     assert "verify_attention" in (tmp_path / "sglang_bench.json").read_text()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+def test_the_section_adds_flashmlas_cascade_on_64_slot_pages(monkeypatch):
+    """With a flash_mla module (a stand-in computing its dense decode by our reference), points on 64-slot
+    pages also time FlashMLA's cascade on the same pool (prefix by FlashMLA through a block table read
+    from req_to_token, tree by ours, merged by lse), equal to the port's output; points on pages of 1
+    do not; the report shows it next to our per-layer time."""
+    from kdtree_engine.bench import sglang, sglang_verify, timing
+    from tests.bench.test_flashmla_peer import _stand_in
+
+    fn, flash = extend_fn(), _stand_in()
+    monkeypatch.setattr(timing, "time_graph", lambda f, **_: (f(), timing.Timing(8.0, 0, 0, 1, "graph"))[1])
+    grid = sglang_verify.VerifyGrid(heads=(2,), tokens=(3,), prefixes=(70,), batch=(2,), pages=(1, 64))
+    rows = sglang_verify.run_section(fn, stand_in_compile, grid, torch.device("cpu"), lambda r: None, flash)
+    assert [("cascade_us" in r) for r in rows] == [False, True] and set(flash.calls) == {False}  # no mask
+    assert rows[1]["cascade_diff"] <= 2e-2 and rows[1]["cascade_us"] == 8.0
+    assert "| 8.0 (1.00x) |" in sglang_verify.report(rows, [])
+    assert sglang.verify_flashmla(sglang_verify.VerifyGrid(pages=(1,))) is None
+
+
 # ---- on the GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 64])

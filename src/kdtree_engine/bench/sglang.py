@@ -276,9 +276,24 @@ def main(args: argparse.Namespace) -> int:
             results["verify_attention"].append(row)
             write_results(results, out, earlier)
 
-        run_section(extend, port.kernels.compile_ddtree_tree_triton, grid, device, on_row)
+        run_section(
+            extend, port.kernels.compile_ddtree_tree_triton, grid, device, on_row, verify_flashmla(grid)
+        )
     print(write_results(results, out, earlier))
     return 0
+
+
+def verify_flashmla(grid: VerifyGrid):
+    """The flash_mla module for the verify section's cascade column when the grid has 64-slot pages and
+    FlashMLA is importable (never a dependency); None otherwise, with a printed reason."""
+    from kdtree_engine.bench import flashmla
+
+    if flashmla.PAGE not in grid.pages:
+        return None
+    module = flashmla.load()
+    if module is None:
+        print("verify attention: flash_mla is not importable; no FlashMLA cascade column", flush=True)
+    return module
 
 
 def verify_grid(args: argparse.Namespace) -> VerifyGrid:

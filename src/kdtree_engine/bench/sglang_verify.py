@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import torch
 
+from kdtree_engine.bench import flashmla
 from kdtree_engine.bench.plot import markdown_table
 from kdtree_engine.bench.sglang_extend import (
     ExtendCall,
@@ -211,9 +212,11 @@ def make_point(h: int, t: int, prefix: int, b: int, device, seed: int = 0, page:
 
 
 def time_point(
-    fn, compile_fn, h: int, t: int, prefix: int, b: int, grid: VerifyGrid, device, page: int = 1
+    fn, compile_fn, h: int, t: int, prefix: int, b: int, grid: VerifyGrid, device, page: int = 1, flash=None
 ) -> dict:
-    """One row: the four times, the ratios, the saving per round, the max difference and the mask check."""
+    """One row: the four times, the ratios, the saving per round, the max difference and the mask check;
+    on 64-slot pages with flash (the flash_mla module), also FlashMLA's cascade (cascade_us and its
+    difference from the port's output, cascade_diff)."""
     from kdtree_engine.bench.timing import time_graph
 
     pool, q, vis = make_point(h, t, prefix, b, device, page=page)
@@ -237,7 +240,21 @@ def time_point(
     row["ours_step_us"] = timed(ours_step)
     ours.step()  # eager metadata and plan again: the captured step's lived in its graph's memory
     row["ours_run_us"] = timed(ours.run)
+    if flash is not None and page == flashmla.PAGE:
+        cascade = flashmla_cascade(flash, pool, q, vis)
+        row["cascade_diff"] = float((want - cascade()[0].float().reshape(b * t, -1)).abs().max())
+        row["cascade_us"] = timed(lambda: cascade()[0])
     return with_derived(row, grid.layers)
+
+
+def flashmla_cascade(flash, pool: TokenPool, q: torch.Tensor, vis: torch.Tensor) -> flashmla.Cascade:
+    """FlashMLA over each request's prefix in the pool's 64-slot pages (its block table from
+    req_to_token), our kernel over the tree rows with the tree mask, merged by lse (bench/flashmla.py):
+    the verify a serving engine could build on FlashMLA. One layer, no per-forward metadata counted."""
+    lengths = pool.prefix_lens + pool.t
+    table = (pool.rows(int(lengths.max()))[:, :: flashmla.PAGE] // flashmla.PAGE).to(torch.int32)
+    pages = pool.kv.view(-1, flashmla.PAGE, pool.kv.shape[-1])
+    return flashmla.cascade_call(flash, q, pages, lengths, table, vis, SCALE, D_V)
 
 
 def with_derived(row: dict, layers: int) -> dict:
@@ -254,9 +271,10 @@ def with_derived(row: dict, layers: int) -> dict:
     }
 
 
-def run_section(fn, compile_fn, grid: VerifyGrid, device, on_row=print) -> list[dict]:
+def run_section(fn, compile_fn, grid: VerifyGrid, device, on_row=print, flash=None) -> list[dict]:
     """Every point of the grid (those over grid.max_gb skipped, with a printed line); on_row(row) after
-    each, so that a run cut short keeps what it measured."""
+    each, so that a run cut short keeps what it measured. flash: the flash_mla module, for the cascade
+    on 64-slot pages."""
     rows = []
     for h, t, prefix, b, page in grid.points():
         need = point_bytes(h, t, prefix, b)
@@ -264,7 +282,7 @@ def run_section(fn, compile_fn, grid: VerifyGrid, device, on_row=print) -> list[
             print(f"verify attention: h={h} t={t} prefix={prefix} b={b} page={page} skipped: about "
                   f"{need / 2**30:.0f} GB over --verify-max-gb {grid.max_gb:g}", flush=True)  # fmt: skip
             continue
-        rows.append(time_point(fn, compile_fn, h, t, prefix, b, grid, device, page))
+        rows.append(time_point(fn, compile_fn, h, t, prefix, b, grid, device, page, flash))
         on_row(rows[-1])
         torch.cuda.empty_cache()
     return rows
@@ -287,7 +305,7 @@ def report(rows: list[dict], tree_rows: list[dict]) -> str:
     heads = ["h", "t", "prefix", "B", "page", "kernel", "step port / ours us (x)",
              "per layer port / ours us (x)", f"attention saved/round ms ({layers} layers)",
              "drop-in saved/round ms (budget t-1)", "verify step saved/round ms", "max diff",
-             "mask ="]  # fmt: skip
+             "mask =", "FlashMLA cascade us (/ ours per layer)"]  # fmt: skip
     table = []
     for r in rows:
         drop_in = drop_in_saving_ms(tree_rows, r["batch"], r["t"] - 1)
@@ -298,9 +316,16 @@ def report(rows: list[dict], tree_rows: list[dict]) -> str:
             f"{r['port_kernel_us']:.1f} / {r['ours_run_us']:.1f} ({r['layer_x']:.1f}x)",
             f"{r['saved_round_ms']:.2f}", None if drop_in is None else f"{drop_in:.2f}",
             None if total is None else f"{total:.2f}", f"{r['max_diff']:.2g}",
-            "yes" if r["mask_equal"] else "NO",
+            "yes" if r["mask_equal"] else "NO", _cascade_cell(r),
         ])  # fmt: skip
     return "## Verify attention\n\n" + markdown_table(heads, table) + "\n\n" + goal_line(rows) + "\n"
+
+
+def _cascade_cell(row: dict) -> str | None:
+    """FlashMLA's cascade time and its ratio to our per-layer time (above 1: ours faster), where timed."""
+    if "cascade_us" not in row:
+        return None
+    return f"{row['cascade_us']:.1f} ({row['cascade_us'] / row['ours_run_us']:.2f}x)"
 
 
 def goal_line(rows: list[dict]) -> str:
