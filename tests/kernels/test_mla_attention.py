@@ -342,10 +342,12 @@ def test_gpu_hopper_schedule(device, mask, splits, t, h, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,h", [("hopper", 64), ("hopper", 8), ("triton", 8)])
-def test_gpu_captured_plan_replays_new_lengths(device, impl, h):
+@pytest.mark.parametrize("impl,h,page", [("hopper", 64, None), ("hopper", 8, None), ("triton", 8, None),
+                                         ("hopper", 8, 1), ("hopper", 64, 1)])  # fmt: skip
+def test_gpu_captured_plan_replays_new_lengths(device, impl, h, page):
     """A plan built and run inside a CUDA graph (no host read: the schedule is computed on the device)
-    replays correctly after the lengths change in place, longer and shorter than at capture."""
+    replays correctly after the lengths change in place, longer and shorter than at capture; page 1:
+    the same cache as SGLang's token pool, its rows gathered through a block table in reverse order."""
     if impl == "hopper" and not _hopper(device):
         pytest.skip("the Hopper kernel needs a compute capability 9.x GPU")
     gen = torch.Generator().manual_seed(h)
@@ -355,7 +357,12 @@ def test_gpu_captured_plan_replays_new_lengths(device, impl, h):
     kv = torch.randn(kv.shape, generator=gen).to(torch.bfloat16)  # every slot valid: lengths may grow
     q, kv, vis = q.cuda(), kv.cuda(), vis.cuda()
     seqlens = lengths.cuda()
-    kw = dict(softmax_scale=0.05, d_v=d_c, visibility=vis, impl=impl)
+    table = None
+    if page == 1:  # request r's position p at row (b - 1 - r) * cap + p of a [b * cap, 1, d] pool
+        cap = kv.shape[1]
+        table = (torch.arange(b - 1, -1, -1)[:, None] * cap + torch.arange(cap)).int().cuda()
+        kv = kv.flip(0).reshape(b * cap, 1, kv.shape[-1]).contiguous()
+    kw = dict(softmax_scale=0.05, d_v=d_c, visibility=vis, impl=impl, block_table=table)
     plan_attention(q, kv, seqlens, **kw).run(q, kv)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -365,7 +372,7 @@ def test_gpu_captured_plan_replays_new_lengths(device, impl, h):
         seqlens.copy_(torch.tensor(new))
         graph.replay()
         want_out, want_lse = ref.tree_mla_attention(
-            q.cpu(), kv.cpu(), torch.tensor(new), vis.cpu(), 0.05, d_c
+            q.cpu(), kv.cpu(), torch.tensor(new), vis.cpu(), 0.05, d_c, None if table is None else table.cpu()
         )
         assert_close("out", out, want_out, TOL[torch.bfloat16][0])
         assert_close("lse", lse, want_lse, TOL[torch.bfloat16][1])
