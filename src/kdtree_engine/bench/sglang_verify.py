@@ -251,8 +251,11 @@ def flashmla_cascade(flash, pool: TokenPool, q: torch.Tensor, vis: torch.Tensor)
     """FlashMLA over each request's prefix in the pool's 64-slot pages (its block table from
     req_to_token), our kernel over the tree rows with the tree mask, merged by lse (bench/flashmla.py):
     the verify a serving engine could build on FlashMLA. One layer, no per-forward metadata counted."""
+    from kdtree_engine.ref.sglang_attention import block_table
+
     lengths = pool.prefix_lens + pool.t
-    table = (pool.rows(int(lengths.max()))[:, :: flashmla.PAGE] // flashmla.PAGE).to(torch.int32)
+    cols = -(-int(lengths.max()) // flashmla.PAGE)
+    table = block_table(pool.req_to_token, pool.req_pool_indices, flashmla.PAGE, cols)
     pages = pool.kv.view(-1, flashmla.PAGE, pool.kv.shape[-1])
     return flashmla.cascade_call(flash, q, pages, lengths, table, vis, SCALE, D_V)
 
