@@ -16,7 +16,7 @@
 # bench attention against it on 64-row pages (issue 29). "tune-attention" runs the GPU tests of the kernels whose launches
 # changed after the sm_90 compile audit (docs/notes/kernels.md), then scripts/tune_triton_attention.py.
 # "auto" runs the auto budget's grid on kimi-nano (issue 28) and the host's steps per round; "auto-small" the
-# same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH picks the batches).
+# same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
 # benchmark, and an SGLang checkout (or just its python/sglang/srt/speculative/ddtree_utils.py) at
 # .peers/sglang adds SGLang's builder.
@@ -138,10 +138,11 @@ if [ "$what" = auto ]; then
 fi
 if [ "$what" = auto-small ]; then
   # issue 28's second target: the 2.5B scaled-down Kimi shape with its stand-in drafter, AR, DFlash, every
-  # fixed budget and auto; AUTO_BATCH splits the batches over calls if they do not fit in one
+  # fixed budget and auto, temperature 0 and 1; AUTO_BATCH and AUTO_TEMPS split the grid over calls if it
+  # does not fit in one
   # shellcheck disable=SC2086
   timeout "${T_AUTO:-560}" python3 -m kdtree_engine bench e2e --target small --batch ${AUTO_BATCH:-1 4 16 64} \
-    --budgets 8 16 32 64 --auto --out "$R/small_auto" 2>&1 | tee "$R/bench_small_auto.log" | tail -40 || status=1
+    --temperatures ${AUTO_TEMPS:-0 1} --budgets 8 16 32 64 --auto --out "$R/small_auto" 2>&1 | tee "$R/bench_small_auto.log" | tail -40 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi

@@ -152,28 +152,33 @@ def test_cost_rows_plumbing_on_the_cpu(host_timed):
 
 def test_small_batch_rows_on_a_tiny_target(host_timed):
     """bench e2e --target small's per-batch path (generate runs, stand-in drafter, costs) on a tiny CPU
-    target: every row has its cost columns, c(N)/c(1) from the verify of N = budget + 1."""
+    target, at temperature 0 and 1: every row has its cost columns, c(N)/c(1) from the verify of
+    N = budget + 1, and its speedup against the autoregressive row of its own temperature."""
     import argparse
 
     from kdtree_engine.bench import e2e
 
     parser = argparse.ArgumentParser()
     e2e.add_arguments(parser)
-    args = parser.parse_args(["--budgets", "4", "--prompt-len", "6", "--new-tokens", "8"])
+    args = parser.parse_args(
+        ["--budgets", "4", "--prompt-len", "6", "--new-tokens", "8", "--temperatures", "0", "1"]
+    )
     args.copy_bw = 1e9
     rows, costs = e2e_small.bench_batch(tiny_target(), 2, args, torch.device("cpu"))
-    assert [(r["method"], r["budget"]) for r in rows] == [
-        ("autoregressive", 0),
-        ("dflash", 15),
-        ("ddtree", 4),
+    methods = [("autoregressive", 0), ("dflash", 15), ("ddtree", 4)]
+    assert [(r["temperature"], r["method"], r["budget"]) for r in rows] == [
+        (t, *m) for t in (0.0, 1.0) for m in methods
     ]
     assert [c.get("tokens") for c in costs] == [1, 5, 16, None]
     verify = {c["tokens"]: c["us"] for c in costs if c["stage"] != "draft"}
+    ar = {r["temperature"]: r["tokens_per_s"] for r in rows if r["method"] == "autoregressive"}
     for r in rows:
-        assert r["batch"] == 2 and r.get("same_as_ar", True)  # greedy float32: the stand-in equals AR
+        assert r["batch"] == 2 and r["speedup"] == r["tokens_per_s"] / ar[r["temperature"]]
         assert r["c_N_over_c_1"] == (verify[r["budget"] + 1] / verify[1] if r["budget"] else 1.0)
         assert r["roofline_ms"] == costs[0]["roofline_us"] * 1e-3
-    assert "Per forward" in e2e_small.markdown(rows, "h", costs)
+    assert all(r.get("same_as_ar", True) for r in rows[:3])  # greedy float32: the stand-in equals AR
+    text = e2e_small.markdown(rows, "h", costs)
+    assert "Per forward" in text and "| 2 | 1 | ddtree | 4 |" in text
 
 
 def test_nano_costs_per_batch_size(host_timed, monkeypatch):

@@ -63,8 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     drafter = "nano: a DFlash drafter dir, or 'random' (untrained); default: assets/kimi-nano-dflash"
     parser.add_argument("--drafter", default=None, help=drafter)
     parser.add_argument("--prompts", type=int, default=8, help="nano: held-out prompts to run")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="nano (0 = greedy)")
-    parser.add_argument("--seed", type=int, default=0, help="nano: the seed of every sampled run")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0, help="the seed of every sampled run")
 
 
 def resolve_device(name: str | None) -> torch.device:

@@ -3,7 +3,9 @@ random bf16 weights (`kimi_small_config`: hidden 2048, 12 layers with 1 dense, 1
 32 routed experts top-6 plus 1 shared, expert width 768, vocab 163840, about 2.5B parameters). Drafter:
 the engine's labelled stand-in (`NoisyOracleDrafter`), handed the target's own greedy continuation from
 the autoregressive run of the same batch, with a fixed acceptance profile (the true token ranked first
-70%, second 15%, third 10%, fourth 5%): it measures the engine, not a drafter.
+70%, second 15%, third 10%, fourth 5%): it measures the engine, not a drafter. Every batch size runs at
+each of `--temperatures` (default 0 and 1); a sampled setting's stand-in follows the autoregressive run
+at that temperature.
 
 Per batch size and method the bench reports tokens/s of whole generate() calls (wall clock, bench/e2e.py),
 target forwards per token, the mean accepted length tau (root included), the time per round of each
@@ -99,44 +101,55 @@ def _run(target, drafter, prompts, config) -> dict:
 
 
 def _add_costs(rows: list[dict], costs: list[dict]) -> None:
-    """c(N) / c(1), tau c(1) / c(N), efficiency and the decode step against its roofline, per row."""
+    """c(N) / c(1), tau c(1) / c(N), efficiency and the decode step against its roofline, per row; the
+    speedup against the autoregressive row of the same temperature."""
     by_tokens = {c["tokens"]: c for c in costs if c["stage"] != "draft"}
     decode = by_tokens[1]
-    ar = next(r for r in rows if r["method"] == "autoregressive")
+    ar = {r.get("temperature", 0.0): r for r in rows if r["method"] == "autoregressive"}
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        r["speedup"] = r["tokens_per_s"] / ar[r.get("temperature", 0.0)]["tokens_per_s"]
+        r["decode_ms"], r["roofline_ms"] = decode["us"] * 1e-3, decode["roofline_us"] * 1e-3
         if r["budget"] == "auto":  # no one verify size
             r["c_N_over_c_1"] = r["ideal"] = r["efficiency"] = float("nan")
-            r["decode_ms"], r["roofline_ms"] = decode["us"] * 1e-3, decode["roofline_us"] * 1e-3
             continue
         r["c_N_over_c_1"] = by_tokens[r["budget"] + 1]["us"] / decode["us"] if r["budget"] else 1.0
         r["ideal"] = r["tau"] / r["c_N_over_c_1"]
         r["efficiency"] = r["speedup"] / r["ideal"]
-        r["decode_ms"] = decode["us"] * 1e-3
-        r["roofline_ms"] = decode["roofline_us"] * 1e-3
 
 
-def bench_batch(target, batch: int, args, device) -> tuple[list[dict], list[dict]]:
-    """(rows of every method at this batch size, forward cost rows)."""
-    from kdtree_engine.engine import GenerationConfig
+def bench_temperature(target, prompts, temperature: float, args, device) -> list[dict]:
+    """Rows of every method at one batch size and temperature. The stand-in drafter is handed the
+    autoregressive run's continuation at this temperature (the random target's successor margin makes
+    it near-deterministic, so sampled runs follow it as greedy ones do); the sampled runs share
+    `args.seed`, whose counter-based noise is keyed by position."""
+    from kdtree_engine.engine import GenerationConfig, SamplingParams
     from kdtree_engine.engine.demo import NoisyOracleDrafter
 
-    gen = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, target.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
     graphs = False if args.eager else None
-    base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs,
+    base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs, seed=args.seed,
+                sampling=SamplingParams(temperature=temperature),
                 row_invariant=getattr(args, "row_invariant", False))  # fmt: skip
     ar = _run(target, None, prompts, GenerationConfig(method="autoregressive", **base))
     horizon = [list(p) + t for p, t in zip(prompts, ar["tokens"])]
     drafter = NoisyOracleDrafter(horizon, target.config.vocab_size, block_size=16, device=device)
-    rows = [{"method": "autoregressive", "budget": 0, **ar}]
+    rows = [{"method": "autoregressive", "budget": 0, "temperature": temperature, **ar}]
     auto = [("ddtree", "auto")] if getattr(args, "auto", False) else []
     for method, budget in [("dflash", None)] + [("ddtree", b) for b in args.budgets] + auto:
         r = _run(target, drafter, prompts, GenerationConfig(method=method, budget=budget, **base))
         r["same_as_ar"] = r["tokens"] == ar["tokens"]
-        rows.append({"method": method, "budget": budget if budget is not None else 15, **r})
+        rows.append({"method": method, "budget": budget if budget is not None else 15,
+                     "temperature": temperature, **r})  # fmt: skip
+    return rows
+
+
+def bench_batch(target, batch: int, args, device) -> tuple[list[dict], list[dict]]:
+    """(rows of every method and temperature at this batch size, forward cost rows)."""
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, target.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
+    rows = [r for t in args.temperatures for r in bench_temperature(target, prompts, t, args, device)]
     prefix = args.prompt_len + args.new_tokens // 2
-    tokens = [r["budget"] + 1 for r in rows if r["budget"] and r["budget"] != "auto"]
+    tokens = sorted({r["budget"] + 1 for r in rows if r["budget"] and r["budget"] != "auto"})
+    drafter = _cost_drafter(target, prompts, args, device)
     costs = forward_cost.cost_rows(target, drafter, batch, tokens, prefix, args.impl, args.copy_bw)
     for r in rows:
         r["batch"] = batch
@@ -145,18 +158,31 @@ def bench_batch(target, batch: int, args, device) -> tuple[list[dict], list[dict
     return rows, costs
 
 
+def _cost_drafter(target, prompts, args, device):
+    """The stand-in whose draft stage the forward costs time (its cost does not depend on its table)."""
+    from kdtree_engine.engine.demo import NoisyOracleDrafter
+
+    return NoisyOracleDrafter(prompts, target.config.vocab_size, block_size=16, device=device)
+
+
 def markdown(rows: list[dict], header: str, forwards: list[dict] | None = None) -> str:
-    heads = ["batch", "method", "budget", "tokens/s", "speedup", "tau", "fwd/token", "c(N)/c(1)",
-             "efficiency", "round ms", "overhead", "same as AR"]  # fmt: skip
+    heads = ["batch", "temperature", "method", "budget", "tokens/s", "speedup", "tau", "fwd/token",
+             "c(N)/c(1)", "efficiency", "round ms", "overhead", "same as AR"]  # fmt: skip
     body = [
-        [r["batch"], r["method"], r["budget"] or "-", r["tokens_per_s"], f"{r['speedup']:.2f}x",
+        [r["batch"], f"{r.get('temperature', 0.0):g}", r["method"], r["budget"] or "-", r["tokens_per_s"],
+         f"{r['speedup']:.2f}x",
          f"{r['tau']:.2f}", f"{r['forwards_per_token']:.3f}", f"{r['c_N_over_c_1']:.2f}",
          f"{r['efficiency']:.2f}", f"{r['round_ms']:.2f}", f"{100 * r['overhead']:.0f}%",
          "yes" if r.get("same_as_ar", True) else "no"]
         for r in rows
     ]  # fmt: skip
+    lead = ["batch", "temperature"]
+
+    def setting(r):
+        return [r["batch"], f"{r.get('temperature', 0.0):g}"]
+
     stages = e2e.stage_table(
-        rows, ["batch", "method", "budget"], lambda r: [r["batch"], r["method"], r["budget"] or "-"]
+        rows, lead + ["method", "budget"], lambda r: setting(r) + [r["method"], r["budget"] or "-"]
     )
     roof = sorted({(r["batch"], r["decode_ms"], r["roofline_ms"]) for r in rows})
     roof_rows = [[b, f"{d:.3f}", f"{m:.3f}", f"{d / m:.2f}x"] for b, d, m in roof]
@@ -165,10 +191,10 @@ def markdown(rows: list[dict], header: str, forwards: list[dict] | None = None) 
         "Decode step against its memory roofline:",
         markdown_table(["batch", "decode ms", "roofline ms", "decode / roofline"], roof_rows),
     ]  # fmt: skip
-    auto = e2e.auto_table(rows, ["batch"], lambda r: [r["batch"]])
+    auto = e2e.auto_table(rows, lead, setting)
     if auto:
         parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
-        costs = e2e.auto_cost_table(rows, ["batch"], lambda r: [r["batch"]])
+        costs = e2e.auto_cost_table(rows, lead, setting)
         parts += ['Budget "auto": its measured round costs against the calls\' time:', costs]
     if forwards:
         parts.append(forward_cost.markdown(forwards, DRAFTER_LABEL))
@@ -180,7 +206,11 @@ def plot(rows: list[dict], path: Path) -> None:
     batches = sorted({r["batch"] for r in rows})
     series: dict[str, list] = {}
     for r in rows:
-        name = r["method"] + (f" {r['budget']}" if r["method"] == "ddtree" else "")
+        name = (
+            r["method"]
+            + (f" {r['budget']}" if r["method"] == "ddtree" else "")
+            + f" T={r.get('temperature', 0.0):g}"
+        )
         series.setdefault(name, [None] * len(batches))[batches.index(r["batch"])] = r["tokens_per_s"]
     title = "bench e2e: tokens/s, scaled-down Kimi shape, bf16, stand-in drafter"
     plot_series(path, title, [f"batch {b}" for b in batches], series, ylabel="tokens/s")
