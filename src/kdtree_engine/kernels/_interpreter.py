@@ -9,11 +9,16 @@ import triton.language as tl
 
 
 def _patch_interpreter() -> None:
-    """Three Triton 3.6 interpreter bugs (CPU only; compiled kernels are untouched): scalars are
-    1-element arrays whose `__index__` calls int(), which numpy >= 2.3 refuses, so `range()` over a
-    loaded bound fails; `tl.dot` multiplies bf16 operands as their raw uint16 bit patterns; and float32
-    to bf16 casts truncate where the GPU rounds to nearest even. Index the element, widen bf16
-    operands to float32 (exact) before the product, and round bf16 casts to nearest even."""
+    """Three Triton 3.6 interpreter bugs and one difference from the GPU (CPU only; compiled kernels are
+    untouched): scalars are 1-element arrays whose `__index__` calls int(), which numpy >= 2.3 refuses,
+    so `range()` over a loaded bound fails; `tl.dot` multiplies bf16 operands as their raw uint16 bit
+    patterns; float32 to bf16 casts truncate where the GPU rounds to nearest even; and `tl.dot` is one
+    BLAS gemm of the tile, whose summation order for a row can depend on the row's place in the tile
+    (OpenBLAS on AMD EPYC does), while a GPU's mma reduces every output element in the same order
+    wherever its row sits. Index the element, widen bf16 operands to float32 (exact) before the
+    product, round bf16 casts to nearest even, and multiply a float tile row by row (one batched
+    matmul of 1-row matrices), so that a row's bits depend on that row and the other operand only, as
+    the row-invariance tests (issue 32) require."""
     import numpy as np
     from triton.runtime import interpreter
 
@@ -30,8 +35,17 @@ def _patch_interpreter() -> None:
             return x
         return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
+    def row_by_row(a, b, d):
+        """a [..., M, K] @ b [..., K, N] + d, each row of a multiplied as a matrix of its own."""
+        rows = np.matmul(a.data[..., :, None, :], b.data[..., None, :, :], dtype=d.data.dtype)
+        return interpreter.TensorHandle(rows[..., 0, :] + d.data, d.dtype.scalar)
+
     def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+        a, b = widen(a), widen(b)
+        floats = a.data.dtype.kind == "f" and b.data.dtype.kind == "f"
+        if floats and min(a.dtype.primitive_bitwidth, b.dtype.primitive_bitwidth) > 8:  # fp8: the stock path
+            return row_by_row(a, b, d)
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
 
     cast_impl = interpreter.InterpreterBuilder.cast_impl
 
