@@ -8,9 +8,16 @@ from __future__ import annotations
 import pytest
 
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
-from kdtree_engine.engine.budget import AUTO_BUCKETS, CostTable
+from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, CostTable
 from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import OracleDrafter, random_prompts, tiny_drafter, tiny_target
+
+
+@pytest.fixture
+def rule_alone(monkeypatch):
+    """The policy without the static call's test (as for a batch whose finished rows are refilled),
+    which would give a call of cheap steps to steps (no draft at all) before the context's limit."""
+    monkeypatch.setattr(BudgetPolicy, "_steps_end_soonest", lambda self, *args: False)
 
 
 def _context_complete(runner: Runner) -> bool:
@@ -36,7 +43,7 @@ def test_auto_tries_every_bucket_and_stays_greedy(monkeypatch, pipelined):
     assert _context_complete(runner)
 
 
-def test_cheap_autoregressive_steps_still_draft_every_step_rounds_blocks(monkeypatch):
+def test_cheap_autoregressive_steps_still_draft_every_step_rounds_blocks(monkeypatch, rule_alone):
     """With autoregressive rounds measured cheap and every tree dear, the policy steps autoregressively
     and drafts once every STEP_ROUNDS (L + 1) rounds (the drafter's context holds no more); an oracle
     drafter then gets whole blocks accepted, and the output stays greedy."""
@@ -53,7 +60,7 @@ def test_cheap_autoregressive_steps_still_draft_every_step_rounds_blocks(monkeyp
     assert budgets[0] > 0 and max(len(z) for z in streaks) == loop.STEP_ROUNDS * block  # L + 1 = block
 
 
-def test_context_is_complete_after_autoregressive_rounds_with_a_real_drafter(monkeypatch):
+def test_context_is_complete_after_autoregressive_rounds_with_a_real_drafter(monkeypatch, rule_alone):
     monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1e-9 if k == 0 else 1.0)
     target, drafter = tiny_target(1), tiny_drafter(1, block_size=5)
     prompts = random_prompts(9, [4, 9], target.config.vocab_size)
@@ -65,7 +72,7 @@ def test_context_is_complete_after_autoregressive_rounds_with_a_real_drafter(mon
     assert 0 in out.stats.budgets and _context_complete(runner)
 
 
-def test_sampled_auto_repeats_its_draws_given_the_same_choices(monkeypatch):
+def test_sampled_auto_repeats_its_draws_given_the_same_choices(monkeypatch, rule_alone):
     """Sampled draws are keyed by the seed and the round; the choices depend on measured costs, so a
     run repeats only where its choices do: with costs fixed (here a deterministic table), it does."""
     monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1.0 + k / 16)
@@ -100,7 +107,7 @@ def test_a_round_costs_the_host_clock_between_reads_on_cuda():
 
 
 @pytest.mark.parametrize("steps", [False, True])
-def test_a_draft_reads_one_round_unless_autoregressive_steps_came_before(monkeypatch, steps):
+def test_a_draft_reads_one_round_unless_autoregressive_steps_came_before(monkeypatch, rule_alone, steps):
     """The context buffer holds a round's rows and STEP_ROUNDS rounds' more; a draft right after a
     speculative round reads the first L + 1 rows only, one after autoregressive steps the whole
     buffer; output stays greedy."""
@@ -142,3 +149,25 @@ def test_the_read_after_an_eager_enqueue_is_not_timed(monkeypatch):
     eager = [last for steady, last in seen if not steady]
     assert eager and all(last is None for last in eager)
     assert any(steady and last is not None for steady, last in seen)  # the later rounds are timed
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_call_given_to_steps_never_drafts(monkeypatch, pipelined):
+    """With every cost measured, steps cheap and trees dear, the static call's test gives the call to
+    steps from its first round: no draft at all (not even the first, which would read the prompts'
+    features), plain decoding's step (no features kept for the drafter), greedy output; the next call
+    on the Runner starts afresh and is given to steps again."""
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
+    monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1e-9 if k == 0 else 1.0)
+    target, drafter = tiny_target(5), tiny_drafter(5, block_size=6)
+    calls, draft = [], drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda *args, **kwargs: calls.append(1) or draft(*args, **kwargs))
+    prompts = random_prompts(7, [5, 9], target.config.vocab_size)
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=20, budget="auto"), batch_size=2,
+                    prompt_len=9)  # fmt: skip
+    for _ in range(2):
+        out = runner.generate(prompts)
+        assert out.tokens == greedy_generate(target, prompts, 20)
+        assert set(out.stats.budgets) == {0} and out.stats.drafter_forwards == 0 and not calls
+        assert runner._rounds.policy.stepping
+        assert runner._state.ctx_lens.tolist() == [5, 9]  # the prompts' rows only: no step kept features

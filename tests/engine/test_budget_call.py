@@ -91,6 +91,19 @@ def test_a_static_call_steps_when_steps_end_it_soonest():
     policy.pending.clear()
     assert policy.pick(active, must_draft=False, remaining=[127] * 64) == 0
     assert policy.pick(active, must_draft=True, remaining=[127] * 64) != 0  # the drafter must run
+    assert not policy.stepping  # a close answer does not give the call to steps
+
+
+def test_a_decisive_answer_for_steps_gives_the_call_to_steps():
+    """Steps far cheaper per token than any tree: the call is given to steps at once, even where the
+    drafter would have to run (a call's first round, a full context), and stays so until the next call."""
+    costs = {0: 1.0, 4: 3.0, 8: 3.2, 16: 3.5, 32: 4.0, 64: 5.0}
+    policy = _policy_after_a_round(costs, 4, accepted=0.2)
+    active, left = [True] * 4, [120] * 4
+    assert policy.pick(active, must_draft=True, remaining=left) == 0 and policy.stepping
+    assert [policy.pick(active, must_draft=True, remaining=[k] * 4) for k in (119, 20, 1)] == [0, 0, 0]
+    policy.new_call()
+    assert not policy.stepping
 
 
 def test_a_static_call_drafts_when_trees_pay_for_their_tail():

@@ -284,6 +284,7 @@ class BudgetPolicy:
     sums: np.ndarray = field(init=False)  # [rows, buckets]: each request row's last S read, NaN: none
     age: np.ndarray = field(init=False)  # [rows]: rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
+    stepping: bool = False  # this call is given to autoregressive steps: no draft until it ends
     pending: deque = field(default_factory=deque)  # _Choice per round picked and not read yet
     chosen: dict[int, int] = field(default_factory=dict)  # rounds read per bucket
     predicted: dict[int, float] = field(default_factory=dict)  # sum of 1 + S per bucket (uncalibrated)
@@ -305,7 +306,7 @@ class BudgetPolicy:
         self.paces.new_call()
         self.call_test = CallTest(self.depth)
         self.pending.clear()
-        self.streak = 0
+        self.streak, self.stepping = 0, False
         for tally in (self.chosen, self.predicted, self.expected, self.observed, self.requests):
             tally.clear()
 
@@ -334,14 +335,19 @@ class BudgetPolicy:
         requests; a speculative one when the drafter must run (a call's first round, a full context).
         remaining: the tokens each request row has left in a static call (None: a batch whose finished
         rows are refilled): then an autoregressive step whenever steps alone would end the call
-        soonest (engine.budget_call)."""
+        soonest (engine.budget_call). When they do by a decisive margin, the call is given to steps
+        (`stepping`): every later round of it is a step, the drafter never runs again in it (a draft
+        the drafter must make, such as a call's first, is skipped), so its steps need not feed the
+        drafter's context and cost what plain autoregressive decoding's do."""
         must_draft = must_draft or self.streak >= self.depth
         self._rows(len(active))
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
         costs = np.array([self.costs.estimate(k) for k in self.buckets])
-        if remaining is not None and not must_draft and self._steps_end_soonest(rows, remaining, costs):
+        if self.stepping or (
+            remaining is not None and self._steps_end_soonest(rows, remaining, costs, must_draft)
+        ):
             j = self.buckets.index(0)
         else:
             expected = per_row.sum(axis=0)
@@ -352,18 +358,30 @@ class BudgetPolicy:
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
 
-    def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray) -> bool:
+    def _steps_end_soonest(
+        self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, must_draft: bool
+    ) -> bool:
         """The static call's test (engine.budget_call.CallTest) for the running request rows, once every
         bucket's cost (costs [buckets]: CostTable.estimate) is measured: the tokens each has left less
-        what the rounds picked and not read yet are expected to commit."""
+        what the rounds picked and not read yet are expected to commit. A decisive answer for steps
+        gives the call to steps (`stepping`); while the drafter must run, only such an answer steps."""
         if 0 not in self.buckets or rows.size == 0:
             return False
         if (costs <= 0).any():
             return False
         most = float(np.max(np.asarray(remaining)[rows]))
-        kept = self.call_test.kept_answer(most)
-        if kept is not None:
-            return kept
+        steps = self.call_test.kept_answer(most)
+        decisive = steps is not None  # an answer is kept only when it was decisive
+        if steps is None:
+            steps = self._call_answer(rows, remaining, costs, most)
+            decisive = self.call_test.kept > 0
+        self.stepping = steps and decisive
+        return self.stepping or (steps and not must_draft)
+
+    def _call_answer(
+        self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, most: float
+    ) -> bool:
+        """The static call's test computed afresh (CallTest.decide) for the running request rows."""
         left = np.asarray(remaining, dtype=np.float64).copy()
         for choice in self.pending:
             left[choice.rows] -= choice.expected

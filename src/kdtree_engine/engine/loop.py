@@ -233,6 +233,7 @@ class _Stages:
         self.buckets = AUTO_BUCKETS if auto else (run.budget,)
         self.orders: dict[int, list[_Stage]] = {}
         self.after_steps: dict[int, list[_Stage]] = {}  # auto budget: a bucket's round after AR steps
+        self.plain_step: list[_Stage] = []  # auto budget: a step of a call given to steps
         if run.config.method == "autoregressive":
             self.orders[0] = [_Stage("verify", self.decode, True, "verify"),
                               _Stage("accept", self.accept_one, accept, "accept")]  # fmt: skip
@@ -243,6 +244,8 @@ class _Stages:
                 decode = functools.partial(self.decode, into_context=True)
                 self.orders[0] = [_Stage("verify", decode, True, "verify@0"),
                                   _Stage("accept", self.accept_one, accept, "accept@0")]  # fmt: skip
+                # a call given to steps (BudgetPolicy.stepping): plain decoding's step, no features kept
+                self.plain_step = [_Stage("verify", self.decode, True, "verify@steps"), self.orders[0][1]]
                 continue
             verify, accept_n = functools.partial(self.verify, n), functools.partial(self.accept, n)
             build, compile_n = functools.partial(self.tree_build, n), functools.partial(self.compile, n)
@@ -570,6 +573,9 @@ class _Rounds:
 
     def enqueue(self, bucket: int) -> None:
         order = self.stages.orders[bucket]
+        if bucket == 0 and self.policy is not None and self.policy.stepping:
+            order = self.stages.plain_step
+            self.state.prompt_ctx = None  # no draft of this call will read the prompts' features
         if self.steps and bucket in self.stages.after_steps:
             order = self.stages.after_steps[bucket]
         self.steps = self.steps + 1 if bucket == 0 else 0
