@@ -94,8 +94,9 @@ def test_markdown_rows():
 
 
 def test_small_rows_take_their_costs():
-    rows = [{"method": "autoregressive", "budget": 0, "tokens_per_s": 100.0, "tau": 1.0},
-            {"method": "ddtree", "budget": 16, "tokens_per_s": 250.0, "tau": 3.0}]  # fmt: skip
+    greedy = {"temperature": 0.0}
+    rows = [{"method": "autoregressive", "budget": 0, "tokens_per_s": 100.0, "tau": 1.0, **greedy},
+            {"method": "ddtree", "budget": 16, "tokens_per_s": 250.0, "tau": 3.0, **greedy}]  # fmt: skip
     e2e_small._add_costs(rows, _cost_rows())
     ar, tree = rows
     assert (ar["speedup"], ar["c_N_over_c_1"], ar["efficiency"]) == (1.0, 1.0, 1.0)

@@ -105,9 +105,9 @@ def _add_costs(rows: list[dict], costs: list[dict]) -> None:
     speedup against the autoregressive row of the same temperature."""
     by_tokens = {c["tokens"]: c for c in costs if c["stage"] != "draft"}
     decode = by_tokens[1]
-    ar = {r.get("temperature", 0.0): r for r in rows if r["method"] == "autoregressive"}
+    ar = {r["temperature"]: r for r in rows if r["method"] == "autoregressive"}
     for r in rows:
-        r["speedup"] = r["tokens_per_s"] / ar[r.get("temperature", 0.0)]["tokens_per_s"]
+        r["speedup"] = r["tokens_per_s"] / ar[r["temperature"]]["tokens_per_s"]
         r["decode_ms"], r["roofline_ms"] = decode["us"] * 1e-3, decode["roofline_us"] * 1e-3
         if r["budget"] == "auto":  # no one verify size
             r["c_N_over_c_1"] = r["ideal"] = r["efficiency"] = float("nan")
@@ -144,12 +144,15 @@ def bench_temperature(target, prompts, temperature: float, args, device) -> list
 
 def bench_batch(target, batch: int, args, device) -> tuple[list[dict], list[dict]]:
     """(rows of every method and temperature at this batch size, forward cost rows)."""
+    from kdtree_engine.engine.demo import NoisyOracleDrafter
+
     gen = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, target.config.vocab_size, (batch, args.prompt_len), generator=gen).tolist()
     rows = [r for t in args.temperatures for r in bench_temperature(target, prompts, t, args, device)]
     prefix = args.prompt_len + args.new_tokens // 2
     tokens = sorted({r["budget"] + 1 for r in rows if r["budget"] and r["budget"] != "auto"})
-    drafter = _cost_drafter(target, prompts, args, device)
+    # the draft stage's cost does not depend on the stand-in's table: the prompts alone will do
+    drafter = NoisyOracleDrafter(prompts, target.config.vocab_size, block_size=16, device=device)
     costs = forward_cost.cost_rows(target, drafter, batch, tokens, prefix, args.impl, args.copy_bw)
     for r in rows:
         r["batch"] = batch
@@ -158,18 +161,11 @@ def bench_batch(target, batch: int, args, device) -> tuple[list[dict], list[dict
     return rows, costs
 
 
-def _cost_drafter(target, prompts, args, device):
-    """The stand-in whose draft stage the forward costs time (its cost does not depend on its table)."""
-    from kdtree_engine.engine.demo import NoisyOracleDrafter
-
-    return NoisyOracleDrafter(prompts, target.config.vocab_size, block_size=16, device=device)
-
-
 def markdown(rows: list[dict], header: str, forwards: list[dict] | None = None) -> str:
     heads = ["batch", "temperature", "method", "budget", "tokens/s", "speedup", "tau", "fwd/token",
              "c(N)/c(1)", "efficiency", "round ms", "overhead", "same as AR"]  # fmt: skip
     body = [
-        [r["batch"], f"{r.get('temperature', 0.0):g}", r["method"], r["budget"] or "-", r["tokens_per_s"],
+        [r["batch"], f"{r['temperature']:g}", r["method"], r["budget"] or "-", r["tokens_per_s"],
          f"{r['speedup']:.2f}x",
          f"{r['tau']:.2f}", f"{r['forwards_per_token']:.3f}", f"{r['c_N_over_c_1']:.2f}",
          f"{r['efficiency']:.2f}", f"{r['round_ms']:.2f}", f"{100 * r['overhead']:.0f}%",
@@ -179,7 +175,7 @@ def markdown(rows: list[dict], header: str, forwards: list[dict] | None = None) 
     lead = ["batch", "temperature"]
 
     def setting(r):
-        return [r["batch"], f"{r.get('temperature', 0.0):g}"]
+        return [r["batch"], f"{r['temperature']:g}"]
 
     stages = e2e.stage_table(
         rows, lead + ["method", "budget"], lambda r: setting(r) + [r["method"], r["budget"] or "-"]
@@ -207,9 +203,7 @@ def plot(rows: list[dict], path: Path) -> None:
     series: dict[str, list] = {}
     for r in rows:
         name = (
-            r["method"]
-            + (f" {r['budget']}" if r["method"] == "ddtree" else "")
-            + f" T={r.get('temperature', 0.0):g}"
+            r["method"] + (f" {r['budget']}" if r["method"] == "ddtree" else "") + f" T={r['temperature']:g}"
         )
         series.setdefault(name, [None] * len(batches))[batches.index(r["batch"])] = r["tokens_per_s"]
     title = "bench e2e: tokens/s, scaled-down Kimi shape, bf16, stand-in drafter"
