@@ -15,7 +15,7 @@
 # as out/kimi_bench.json (KIMI_JSON overrides). "flashmla" installs the FlashMLA wheel carried in .whl/ and runs
 # bench attention against it on 64-row pages (issue 29). "tune-attention" runs the GPU tests of the kernels whose launches
 # changed after the sm_90 compile audit (docs/notes/kernels.md), then scripts/tune_triton_attention.py.
-# "auto" runs the auto budget's grid on kimi-nano (issue 28) and the host's steps per round; "auto-small" the
+# "auto" runs the auto budget's grid on kimi-nano (issue 28) and the host's steps per round with the timed call's timeline; "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
 # benchmark, and an SGLang checkout (or just its python/sglang/srt/speculative/ddtree_utils.py) at
@@ -127,11 +127,12 @@ fi
 if [ "$what" = auto ]; then
   # issue 28: the auto budget against AR, DFlash and every fixed budget on kimi-nano, batch 1-64,
   # temperature 0 and 1 (the static call's test, the 4-round drafter context, the batched commit), then
-  # the host's steps per round inside real runs
+  # the host's steps per round inside real runs and the timed call's timeline (HOST_BATCH, HOST_TEMP)
   timeout "${T_AUTO:-470}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
     --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" | tail -40 \
     || status=1
-  timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch 1 64 --budgets 8 auto --temperature 1 2>&1 \
+  timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch ${HOST_BATCH:-4 16} --budgets 64 auto \
+    --temperature ${HOST_TEMP:-0} --timeline 2>&1 \
     | tee "$R/round_host_time.log" || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status

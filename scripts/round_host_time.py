@@ -3,9 +3,11 @@ Runner, the third call timed (the first compiles and captures, the second times 
 does), with the engine loop's host steps wrapped in timers: the wait for the round's copy (its event),
 the read, the commit, the enqueue of a round (its graph replays), and with the auto budget the policy's
 pick and observe. A wait near zero while the wall per round is more than the device's round means the
-host is the bottleneck.
+host is the bottleneck. `--timeline` also lays the timed call out in time: the prefill, the time to
+the first round read, the rounds, and the longest host steps with the round they belong to, to find
+what a call spends outside its rounds.
 
-    python scripts/round_host_time.py [--batch 1 64] [--budgets 8 auto] [--temperature 0]
+    python scripts/round_host_time.py [--batch 1 64] [--budgets 8 auto] [--temperature 0] [--timeline]
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ STEPS = [  # (owner, attribute, label): the host steps of a round
     (budget_module.BudgetPolicy, "observe", "observe"),
     (loop, "_commit", "commit"),
     (loop._Rounds, "enqueue", "enqueue"),
+    (loop._Rounds, "capture", "capture"),
+    (loop, "_prefill", "prefill"),
 ]
 
 
-def wrap_steps(seconds: dict[str, float]) -> None:
-    """Adds each step's host seconds to seconds[label] (the wrapped functions stay in place)."""
+def wrap_steps(seconds: dict[str, float], events: list[tuple[str, float, float]]) -> None:
+    """Adds each step's host seconds to seconds[label] and appends (label, start, seconds) to events
+    (the wrapped functions stay in place)."""
     for owner, name, label in STEPS:
         inner = getattr(owner, name)
 
@@ -43,9 +48,28 @@ def wrap_steps(seconds: dict[str, float]) -> None:
             try:
                 return _inner(*args, **kwargs)
             finally:
-                seconds[_label] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                seconds[_label] += dt
+                events.append((_label, t0, dt))
 
         setattr(owner, name, timed)
+
+
+def timeline(events: list[tuple[str, float, float]], start: float, wall: float, longest: int = 8) -> str:
+    """The timed call in time: its prefill, when the first round was read, how long the reads took
+    from there, and its `longest` host steps (their round: the reads before them)."""
+    events = sorted(events, key=lambda e: e[1])
+    reads = [t + dt - start for label, t, dt in events if label == "copy read (wait included)"]
+    prefill = sum(dt for label, _, dt in events if label == "prefill")
+    lines = [f"  call {wall * 1e3:.2f} ms: prefill {prefill * 1e3:.2f} ms, first read at "
+             f"{reads[0] * 1e3:.2f} ms, last read at {reads[-1] * 1e3:.2f} ms, {len(reads)} reads"]  # fmt: skip
+    nested = {"wait", "copy read (wait included)"}  # inside other steps or the read itself
+    top = sorted((e for e in events if e[0] not in nested or e[0] == "copy read (wait included)"),
+                 key=lambda e: -e[2])[:longest]  # fmt: skip
+    for label, t, dt in top:
+        before = sum(r <= t - start for r in reads)
+        lines.append(f"  {label}: {dt * 1e3:.3f} ms at {(t - start) * 1e3:.2f} ms (round {before})")
+    return "\n".join(lines)
 
 
 def budget_arg(text: str) -> int | str:
@@ -58,13 +82,15 @@ def main() -> None:
     parser.add_argument("--budgets", type=budget_arg, nargs="+", default=[8, "auto"])
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--timeline", action="store_true", help="lay the timed call out in time")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_model(KIMI_NANO, dtype=dtype, device=device)
     drafter, _ = nano_drafter(drafter_path(None), target, load_tokenizer(KIMI_NANO).token_id("<|mask|>"))
     seconds: dict[str, float] = defaultdict(float)
-    wrap_steps(seconds)
+    events: list[tuple[str, float, float]] = []
+    wrap_steps(seconds, events)
     prompts = nano_prompts(8)
     for batch in args.batch:
         group = prompt_batches(prompts, batch)[0]
@@ -75,10 +101,14 @@ def main() -> None:
             runner.generate(group)
             runner.generate(group, stage_timing=True)
             seconds.clear()
+            events.clear()
+            start = time.perf_counter()
             stats = runner.generate(group, stage_timing=False).stats
             steps = ", ".join(f"{k} {v / stats.rounds * 1e3:.3f}" for k, v in seconds.items())
             print(f"batch {batch} budget {budget}: {stats.rounds} rounds, wall per round "
                   f"{stats.wall_time / stats.rounds * 1e3:.3f} ms; host ms per round: {steps}")  # fmt: skip
+            if args.timeline:
+                print(timeline(events, start, stats.wall_time))
 
 
 if __name__ == "__main__":
