@@ -22,6 +22,7 @@ from kdtree_engine.engine.budget import (
     CostTable,
     bucket_sums,
     choose,
+    steady_rate,
     path_probabilities,
 )
 from kdtree_engine.tree import DraftTree, build_tree_from_logits, compile_tree, logits_topk
@@ -134,10 +135,28 @@ def test_choice_maximizes_tokens_per_second():
     sums = [[0.0, 2.0, 3.0], [0.0, 1.0, 1.2]]  # two requests' S at each bucket
     expected = cal.expected(np.array(sums)).sum(axis=0).tolist()  # E summed over the requests
     assert expected == [2.0, 5.0, 6.2]
-    assert choose(expected, [1.0, 2.0, 3.0]) == 1  # 2.5 tokens per unit against 2.0 and 2.07
-    assert choose(expected, [1.0, 3.0, 4.0]) == 0  # speculation off: 2.0 against 1.67 and 1.55
-    assert choose(expected, [1.0, 2.0, 0.0]) == 2  # never measured: tried first
-    assert choose([2.0, 4.0], [1.0, 2.0]) == 0  # a tie: the smaller bucket
+    # a round like every other (E at the levels): the steady rate's own bucket, the ratio's choice
+    for costs, best in (([1.0, 2.0, 3.0], 1), ([1.0, 3.0, 4.0], 0)):  # 2.5 per unit; speculation off
+        assert choose(expected, costs, steady_rate(expected, costs)) == best
+    assert choose(expected, [1.0, 2.0, 0.0], 9.0) == 2  # never measured: tried first
+    assert choose([2.0, 4.0], [1.0, 2.0], 2.0) == 0  # a tie: the smaller bucket
+
+
+def test_choice_leaves_the_steady_bucket_only_when_its_extra_tokens_pay_for_their_time():
+    # steady: bucket 32 at 3.0 tokens in 1.0 s (rate 3.0) against 2.75 and a step's 2.0
+    costs = [0.5, 0.8, 1.0]
+    rate = steady_rate([1.0, 2.2, 3.0], costs)
+    assert rate == 3.0
+    ratio = lambda e: max(range(3), key=lambda j: e[j] / costs[j])  # noqa: E731
+    # a round of little promise: bucket 8's 0.85 tokens beyond a step cost 0.3 s, worth 0.9 at the
+    # steady rate: a step, where the ratio drafts (2.31 tokens per second against 2.0)
+    low = [1.0, 1.85, 2.3]
+    assert ratio(low) == 1 and choose(low, costs, rate) == 0
+    # a round of high promise: bucket 32's 0.8 tokens beyond bucket 8 cost 0.2 s, worth 0.6: bucket
+    # 32, where the ratio takes bucket 8 (5.0 against 4.8)
+    high = [1.0, 4.0, 4.8]
+    assert ratio(high) == 1 and choose(high, costs, rate) == 2
+    assert choose([1.0, 4.5, 4.8], costs, rate) == 1  # 0.3 tokens for 0.2 s: not worth it
 
 
 def _slope(xs, ys) -> float:
@@ -180,8 +199,10 @@ def test_a_bad_draft_does_not_keep_speculation_off():
     policy.observe(16, None, [0], [5], np.array([[0.0, 4.0]]))  # a round read: S = 4
     assert policy.pick([True], must_draft=False) == 16  # 5 tokens for 3.5 against 1 for 1
     policy.observe(16, None, [0], [1], np.array([[0.0, 0.05]]))  # a poor draft read
-    picks = [policy.pick([True], must_draft=False) for _ in range(3)]
-    assert picks == [0, 16, 16]
+    # S pulled back towards the level by half a round at a time: E(16) 3.7, 4.2, 4.4 against 4.65 at
+    # the level; the first two rounds' tokens beyond a step do not pay for its time at the steady rate
+    picks = [policy.pick([True], must_draft=False) for _ in range(5)]
+    assert picks == [0, 0, 0, 16, 16]
 
 
 def test_choices_learn_from_what_they_saw():

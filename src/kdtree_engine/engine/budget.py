@@ -34,7 +34,18 @@ ahead is the device's round or the host's work per round, whichever is longer; o
 own wall time. A bucket measured fewer than MIN_COST_ROUNDS times costs 0, so that each gets tried,
 the smallest first, until one odd round (a graph's first replay) no longer decides its cost.
 
-The choice: argmax over buckets of sum_b E_b(n) / c(n), over the requests still running. In a static
+The choice. What is to be maximized is the tokens per second of many rounds, sum E / sum c, not of
+each round alone: a round whose draft promises little is better spent on a bucket that costs little
+only if what it gives up is worth less than its time at the rate the rounds achieve. So each round takes
+the bucket with the most expected tokens beyond what its time is worth at the steady rate (Dinkelbach's
+rule for a ratio of sums),
+
+    argmax over n of  sum_b E_b(n) - lambda c(n),   lambda = max over n of sum_b E_b(n | level_n) / c(n),
+
+over the requests still running; lambda is the rate of the best bucket used every round, each request
+seen at the bucket's level of S (E at a round of average promise). Where the draft tells nothing (E the
+same every round) it picks what the ratio sum_b E_b(n) / c(n) picks; where it does, it leaves the
+steady bucket only for a round whose extra tokens pay for its extra time. In a static
 call (generate(): the engine passes each request's tokens left), first the static call's test
 (engine.budget_call): an autoregressive step whenever steps alone would end the call sooner than any
 bucket used for every round from here, the last request's tail counted.
@@ -247,13 +258,20 @@ class CostTable:
         return self._estimates[bucket]
 
 
-def choose(expected: Sequence[float], costs: Sequence[float]) -> int:
-    """The index of the bucket with the most expected tokens per second; a bucket of cost 0 (never
-    measured) first, the smallest such (exploration); ties: the smaller."""
+def choose(expected: Sequence[float], costs: Sequence[float], rate: float) -> int:
+    """The index of the bucket with the most expected tokens beyond what its cost is worth at `rate`
+    (tokens per second: the steady rate, module docstring); a bucket of cost 0 (never measured) first,
+    the smallest such (exploration); ties: the smaller."""
     for j, c in enumerate(costs):
         if c <= 0:
             return j
-    return max(range(len(costs)), key=lambda j: (expected[j] / costs[j], -j))
+    return max(range(len(costs)), key=lambda j: (expected[j] - rate * costs[j], -j))
+
+
+def steady_rate(at_levels: Sequence[float], costs: Sequence[float]) -> float:
+    """The tokens per second of the best bucket used every round: at_levels [buckets], the batch's
+    expected tokens per round of each bucket at its level of S; costs [buckets] > 0, its seconds."""
+    return max(e / c for e, c in zip(at_levels, costs, strict=True))
 
 
 @dataclass
@@ -352,11 +370,24 @@ class BudgetPolicy:
         else:
             expected = per_row.sum(axis=0)
             allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
-            j = allowed[choose([float(expected[j]) for j in allowed], [float(costs[j]) for j in allowed])]
+            rate = self._steady_rate(rows.size, seen, costs)
+            j = allowed[choose([float(expected[j]) for j in allowed], [float(costs[j]) for j in allowed], rate)]
         self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
+
+    def _steady_rate(self, requests: int, seen: np.ndarray, costs: np.ndarray) -> float:
+        """lambda of the choice (module docstring): the batch's tokens per second with the best bucket
+        every round, its `requests` seen at each bucket's level of S (before any draft, at the mean S
+        the choice sees, `seen` [requests, buckets]); 0 while a bucket is unmeasured (costs 0: the
+        choice explores)."""
+        if requests == 0 or (costs <= 0).any():
+            return 0.0
+        levels = self.calibration.levels()
+        mean_seen = seen.mean(axis=0) if seen.size else np.zeros(len(self.buckets))
+        at_levels = self.calibration.expected(np.where(np.isnan(levels), mean_seen, levels)[None, :])[0]
+        return steady_rate((at_levels * requests).tolist(), costs.tolist())
 
     def _steps_end_soonest(
         self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, must_draft: bool
