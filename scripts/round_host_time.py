@@ -72,6 +72,15 @@ def timeline(events: list[tuple[str, float, float]], start: float, wall: float, 
     return "\n".join(lines)
 
 
+def bucket_costs(stats) -> str:
+    """The auto budget's measured round costs in a call, per bucket: median ms (rounds measured)."""
+    by_bucket = defaultdict(list)
+    for bucket, seconds in zip(stats.budgets, stats.round_seconds, strict=False):
+        if seconds == seconds:
+            by_bucket[bucket].append(seconds)
+    return ", ".join(f"{k}: {sorted(v)[len(v) // 2] * 1e3:.3f} ({len(v)})" for k, v in sorted(by_bucket.items()))
+
+
 def budget_arg(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
@@ -99,7 +108,7 @@ def main() -> None:
                                       sampling=SamplingParams(temperature=args.temperature))  # fmt: skip
             runner = Runner(target, drafter, config, batch_size=batch, prompt_len=max(map(len, group)))
             runner.generate(group)
-            runner.generate(group, stage_timing=True)
+            staged = runner.generate(group, stage_timing=True).stats
             seconds.clear()
             events.clear()
             start = time.perf_counter()
@@ -109,6 +118,8 @@ def main() -> None:
                   f"{stats.wall_time / stats.rounds * 1e3:.3f} ms; host ms per round: {steps}")  # fmt: skip
             if args.timeline:
                 print(timeline(events, start, stats.wall_time))
+                for name, st in (("stage-timed call", staged), ("timed call", stats)):
+                    print(f"  {name}: the policy's measured ms per bucket: {bucket_costs(st)}")
 
 
 if __name__ == "__main__":
