@@ -61,8 +61,10 @@ def timeline(events: list[tuple[str, float, float]], start: float, wall: float, 
     events = sorted(events, key=lambda e: e[1])
     reads = [t + dt - start for label, t, dt in events if label == "copy read (wait included)"]
     prefill = sum(dt for label, _, dt in events if label == "prefill")
-    lines = [f"  call {wall * 1e3:.2f} ms: prefill {prefill * 1e3:.2f} ms, first read at "
-             f"{reads[0] * 1e3:.2f} ms, last read at {reads[-1] * 1e3:.2f} ms, {len(reads)} reads"]  # fmt: skip
+    lines = [
+        f"  call {wall * 1e3:.2f} ms: prefill {prefill * 1e3:.2f} ms, first read at {reads[0] * 1e3:.2f} ms, "
+        f"last read at {reads[-1] * 1e3:.2f} ms, {len(reads)} reads"
+    ]
     nested = {"wait", "copy read (wait included)"}  # inside other steps or the read itself
     top = sorted((e for e in events if e[0] not in nested or e[0] == "copy read (wait included)"),
                  key=lambda e: -e[2])[:longest]  # fmt: skip
@@ -78,7 +80,8 @@ def bucket_costs(stats) -> str:
     for bucket, seconds in zip(stats.budgets, stats.round_seconds, strict=False):
         if seconds == seconds:
             by_bucket[bucket].append(seconds)
-    return ", ".join(f"{k}: {sorted(v)[len(v) // 2] * 1e3:.3f} ({len(v)})" for k, v in sorted(by_bucket.items()))
+    medians = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in sorted(by_bucket.items())}
+    return ", ".join(f"{k}: {ms:.3f} ({len(by_bucket[k])})" for k, ms in medians.items())
 
 
 def budget_arg(text: str) -> int | str:

@@ -171,3 +171,50 @@ def test_a_call_given_to_steps_never_drafts(monkeypatch, pipelined):
         assert set(out.stats.budgets) == {0} and out.stats.drafter_forwards == 0 and not calls
         assert runner._rounds.policy.stepping
         assert runner._state.ctx_lens.tolist() == [5, 9]  # the prompts' rows only: no step kept features
+
+
+class _RecordedGraphs:
+    """A stand-in for loop._Graphs on the CPU: records the keys captured, runs each stage eagerly."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[str, bool] = {}
+
+    def missing(self, order) -> bool:
+        return any(st.capturable and st.key not in self.graphs for st in order)
+
+    def capture(self, stages, order) -> None:
+        for st in order:
+            if st.capturable:
+                self.graphs[st.key] = True
+        stages.frozen = True
+
+    def run(self, stage) -> None:
+        stage.fn()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_round_first_run_at_a_calls_end_is_captured_for_the_next_call(monkeypatch, pipelined):
+    """A bucket first picked for a call's last rounds (read, or enqueued ahead and discarded) is
+    captured after them, so that the Runner's next identical call runs no eager round (graphs stood in
+    for on the CPU: the loop's bookkeeping of what is captured, not CUDA's capture)."""
+    monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
+    monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)
+    real_pick = BudgetPolicy.pick
+
+    def scripted(self, active, must_draft, remaining=None):
+        # the tokens left after the rounds in flight, each committing one at least
+        left = max(r for r, a in zip(remaining, active, strict=True) if a) - len(self.pending)
+        real_pick(self, active, must_draft, remaining)  # the policy's bookkeeping
+        return 32 if left <= 1 else 4  # bucket 32 only for a call's last round
+
+    monkeypatch.setattr(BudgetPolicy, "pick", scripted)
+    target, drafter = tiny_target(6), tiny_drafter(6, block_size=8)
+    prompts = random_prompts(8, [6, 10], target.config.vocab_size)
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=24, budget="auto"), batch_size=2,
+                    prompt_len=10)  # fmt: skip
+    outs = [runner.generate(prompts, stage_timing=False) for _ in range(2)]
+    assert 32 not in outs[0].stats.budgets[:-1]  # read last, or enqueued ahead and discarded
+    assert "verify@32" in runner._rounds.graphs.graphs  # captured: it ran
+    assert outs[1].stats.eager_rounds == 0 and outs[1].stats.capture_time == 0.0
+    assert outs[0].tokens == outs[1].tokens == greedy_generate(target, prompts, 24)

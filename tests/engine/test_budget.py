@@ -22,8 +22,8 @@ from kdtree_engine.engine.budget import (
     CostTable,
     bucket_sums,
     choose,
-    steady_rate,
     path_probabilities,
+    steady_rate,
 )
 from kdtree_engine.tree import DraftTree, build_tree_from_logits, compile_tree, logits_topk
 

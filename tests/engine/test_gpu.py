@@ -207,3 +207,28 @@ def test_auto_budget_graphs_equal_eager_and_autoregressive(monkeypatch):
     assert outs[True].tokens == outs[False].tokens == expected
     assert set(outs[True].stats.budgets) == set(AUTO_BUCKETS)
     _report(f"cuda graphs auto: {outs[True].stats.summary()}")
+
+
+def test_auto_budget_captures_a_round_first_run_at_a_calls_end(monkeypatch):
+    """A bucket first picked for a call's last round is captured after it (the call over, its requests
+    done): the Runner's next call replays it, runs no eager round and commits plain greedy decoding's
+    tokens."""
+    from kdtree_engine.engine import Runner
+    from kdtree_engine.engine.budget import BudgetPolicy
+
+    real_pick = BudgetPolicy.pick
+
+    def scripted(self, active, must_draft, remaining=None):
+        left = max(r for r, a in zip(remaining, active, strict=True) if a) - len(self.pending)
+        real_pick(self, active, must_draft, remaining)
+        return 32 if left <= 1 else 4
+
+    monkeypatch.setattr(BudgetPolicy, "pick", scripted)
+    target, drafter = _models(torch.float32, seed=7)
+    prompts = random_prompts(9, [12, 5], target.config.vocab_size)
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=30, budget="auto"), batch_size=2,
+                    prompt_len=12)  # fmt: skip
+    outs = [runner.generate(prompts, stage_timing=False) for _ in range(2)]
+    assert "verify@32" in runner._rounds.graphs.graphs
+    assert outs[1].stats.eager_rounds == 0 and outs[1].stats.capture_time == 0.0
+    assert outs[0].tokens == outs[1].tokens == greedy_generate(target, prompts, 30)

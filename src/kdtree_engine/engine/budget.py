@@ -371,7 +371,8 @@ class BudgetPolicy:
             expected = per_row.sum(axis=0)
             allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
             rate = self._steady_rate(rows.size, seen, costs)
-            j = allowed[choose([float(expected[j]) for j in allowed], [float(costs[j]) for j in allowed], rate)]
+            picked = choose([float(expected[j]) for j in allowed], [float(costs[j]) for j in allowed], rate)
+            j = allowed[picked]
         self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0

@@ -637,14 +637,17 @@ class _Rounds:
         self.graphs.capture(self.stages, order)
         self.last_read = None  # the next read's interval holds the capture
 
-    def discard(self) -> None:
+    def discard(self) -> list[list[_Stage]]:
         """Forgets the rounds still in flight (enqueued ahead, past the last request's end): their
-        stage times are dropped and they are counted in stats.discarded_rounds."""
+        stage times are dropped and they are counted in stats.discarded_rounds. Returns their orders
+        (to be captured like a round read: they ran)."""
         self.run.timer.drop_last(sum(len(e.order) for e in self.flight))
         self.run.stats.discarded_rounds += len(self.flight)
         if self.host is not None:
             self.host.forget()
+        orders = [e.order for e in self.flight]
         self.flight.clear()
+        return orders
 
 
 def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | None = None) -> _Rounds:
@@ -664,7 +667,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
             rounds.enqueue(rounds.pick())
         if ahead and (rounds.graphs is not None or not graphs_wanted) and not _surely_last(run):
             rounds.enqueue(rounds.pick())
-        bucket, order = rounds.flight[0].bucket, rounds.flight[0].order
+        bucket, orders = rounds.flight[0].bucket, [rounds.flight[0].order]
         tokens, counts = rounds.read()  # waits for the oldest round in flight
         run.stats.rounds += 1
         run.stats.target_forwards += 1
@@ -672,13 +675,16 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
         with run.timer.host_stage("commit"):
             _commit(run, state, tokens, counts)
         if not run.reqs.running():
-            rounds.discard()
+            orders += rounds.discard()
         run.timer.collect(wait=False)
-        if graphs_wanted and run.reqs.running() and rounds.uncaptured(order):
-            t0 = run.timer.now()  # a device sync: only before a capture, never in a steady round
-            rounds.capture(order)
-            run.stats.cuda_graphs = True
-            run.stats.capture_time += run.timer.now() - t0
+        # captured even after the call's last round, and those enqueued past it: a round first run
+        # at a call's end (the auto budget's steps there) would otherwise run eagerly in every later call
+        for order in orders:
+            if graphs_wanted and rounds.uncaptured(order):
+                t0 = run.timer.now()  # a device sync: only before a capture, never in a steady round
+                rounds.capture(order)
+                run.stats.cuda_graphs = True
+                run.stats.capture_time += run.timer.now() - t0
     run.timer.collect()
     return rounds
 
