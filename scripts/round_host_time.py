@@ -65,9 +65,7 @@ def timeline(events: list[tuple[str, float, float]], start: float, wall: float, 
         f"  call {wall * 1e3:.2f} ms: prefill {prefill * 1e3:.2f} ms, first read at {reads[0] * 1e3:.2f} ms, "
         f"last read at {reads[-1] * 1e3:.2f} ms, {len(reads)} reads"
     ]
-    nested = {"wait", "copy read (wait included)"}  # inside other steps or the read itself
-    top = sorted((e for e in events if e[0] not in nested or e[0] == "copy read (wait included)"),
-                 key=lambda e: -e[2])[:longest]  # fmt: skip
+    top = sorted((e for e in events if e[0] != "wait"), key=lambda e: -e[2])[:longest]  # a wait is in a read
     for label, t, dt in top:
         before = sum(r <= t - start for r in reads)
         lines.append(f"  {label}: {dt * 1e3:.3f} ms at {(t - start) * 1e3:.2f} ms (round {before})")

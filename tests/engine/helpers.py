@@ -96,3 +96,19 @@ class OracleDrafter:
                 pos = s + i
                 rows.append(self._row(seq[pos] if pos < len(seq) else None, pos))
         return torch.stack(rows).view(len(cache.rows), depth, self.vocab).to(bonus.device)
+
+
+def pick_only_at_the_end(bucket: int, before: int = 4):
+    """A BudgetPolicy.pick for monkeypatching: the policy's own bookkeeping, then bucket `before`
+    except for a call's last round (each round in flight committing one token at least), which gets
+    `bucket`."""
+    from kdtree_engine.engine.budget import BudgetPolicy
+
+    real_pick = BudgetPolicy.pick
+
+    def pick(self, active, must_draft, remaining=None):
+        left = max(r for r, a in zip(remaining, active, strict=True) if a) - len(self.pending)
+        real_pick(self, active, must_draft, remaining)
+        return bucket if left <= 1 else before
+
+    return pick

@@ -10,7 +10,13 @@ import pytest
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
 from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, CostTable
 from kdtree_engine.model import greedy_generate
-from tests.engine.helpers import OracleDrafter, random_prompts, tiny_drafter, tiny_target
+from tests.engine.helpers import (
+    OracleDrafter,
+    pick_only_at_the_end,
+    random_prompts,
+    tiny_drafter,
+    tiny_target,
+)
 
 
 @pytest.fixture
@@ -200,15 +206,7 @@ def test_a_round_first_run_at_a_calls_end_is_captured_for_the_next_call(monkeypa
     monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
     monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)
-    real_pick = BudgetPolicy.pick
-
-    def scripted(self, active, must_draft, remaining=None):
-        # the tokens left after the rounds in flight, each committing one at least
-        left = max(r for r, a in zip(remaining, active, strict=True) if a) - len(self.pending)
-        real_pick(self, active, must_draft, remaining)  # the policy's bookkeeping
-        return 32 if left <= 1 else 4  # bucket 32 only for a call's last round
-
-    monkeypatch.setattr(BudgetPolicy, "pick", scripted)
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_only_at_the_end(32))  # bucket 32 for the last round
     target, drafter = tiny_target(6), tiny_drafter(6, block_size=8)
     prompts = random_prompts(8, [6, 10], target.config.vocab_size)
     runner = Runner(target, drafter, GenerationConfig(max_new_tokens=24, budget="auto"), batch_size=2,

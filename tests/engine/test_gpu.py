@@ -15,7 +15,7 @@ import torch
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
 from kdtree_engine.engine import GenerationConfig, SamplingParams, generate
 from kdtree_engine.model import greedy_generate, random_model, tiny_config
-from tests.engine.helpers import OracleDrafter, random_prompts
+from tests.engine.helpers import OracleDrafter, pick_only_at_the_end, random_prompts
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -216,14 +216,7 @@ def test_auto_budget_captures_a_round_first_run_at_a_calls_end(monkeypatch):
     from kdtree_engine.engine import Runner
     from kdtree_engine.engine.budget import BudgetPolicy
 
-    real_pick = BudgetPolicy.pick
-
-    def scripted(self, active, must_draft, remaining=None):
-        left = max(r for r, a in zip(remaining, active, strict=True) if a) - len(self.pending)
-        real_pick(self, active, must_draft, remaining)
-        return 32 if left <= 1 else 4
-
-    monkeypatch.setattr(BudgetPolicy, "pick", scripted)
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_only_at_the_end(32))
     target, drafter = _models(torch.float32, seed=7)
     prompts = random_prompts(9, [12, 5], target.config.vocab_size)
     runner = Runner(target, drafter, GenerationConfig(max_new_tokens=30, budget="auto"), batch_size=2,

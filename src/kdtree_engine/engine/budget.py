@@ -370,7 +370,7 @@ class BudgetPolicy:
         else:
             expected = per_row.sum(axis=0)
             allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
-            rate = self._steady_rate(rows.size, seen, costs)
+            rate = self._steady_rate(rows.size, costs)
             picked = choose([float(expected[j]) for j in allowed], [float(costs[j]) for j in allowed], rate)
             j = allowed[picked]
         self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
@@ -378,17 +378,14 @@ class BudgetPolicy:
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
 
-    def _steady_rate(self, requests: int, seen: np.ndarray, costs: np.ndarray) -> float:
+    def _steady_rate(self, requests: int, costs: np.ndarray) -> float:
         """lambda of the choice (module docstring): the batch's tokens per second with the best bucket
-        every round, its `requests` seen at each bucket's level of S (before any draft, at the mean S
-        the choice sees, `seen` [requests, buckets]); 0 while a bucket is unmeasured (costs 0: the
-        choice explores)."""
+        every round, its `requests` each committing the bucket's long-run tokens (Calibration.long_run:
+        E at the bucket's level of S); 0 while a bucket is unmeasured (costs 0: the choice explores)."""
         if requests == 0 or (costs <= 0).any():
             return 0.0
-        levels = self.calibration.levels()
-        mean_seen = seen.mean(axis=0) if seen.size else np.zeros(len(self.buckets))
-        at_levels = self.calibration.expected(np.where(np.isnan(levels), mean_seen, levels)[None, :])[0]
-        return steady_rate((at_levels * requests).tolist(), costs.tolist())
+        ybar, _ = self.calibration.long_run()
+        return steady_rate(((1.0 + ybar) * requests).tolist(), costs.tolist())
 
     def _steps_end_soonest(
         self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, must_draft: bool
