@@ -34,7 +34,7 @@ KEEP_ROUNDS = 8  # ... is kept for this many rounds
 @functools.lru_cache(maxsize=1)
 def _normal_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x, density, cdf) of the standard normal on the grid expected_max_normal integrates over:
-    computed once per process (4001 erf calls, about 1 ms), so that a count first seen in a call's
+    computed once per process (4001 erf calls in a Python loop), so that a count first seen in a call's
     pick costs a few vectorized operations, not a round's time."""
     x = np.linspace(-10.0, 10.0, 4001)
     cdf = np.array([0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in x])
