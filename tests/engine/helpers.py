@@ -112,3 +112,24 @@ def pick_only_at_the_end(bucket: int, before: int = 4):
         return bucket if left <= 1 else before
 
     return pick
+
+
+def pick_sequence(buckets, stepping_from: int | None = None):
+    """A BudgetPolicy.pick for monkeypatching: the policy's own bookkeeping, then `buckets` in turn
+    (cycled; a drafting bucket while the drafter must run); from round `stepping_from` on, the call is
+    given to steps (plain decoding's step)."""
+    from kdtree_engine.engine.budget import BudgetPolicy
+
+    real_pick = BudgetPolicy.pick
+    rounds = iter(range(10**6))
+
+    def pick(self, active, must_draft, remaining=None):
+        real_pick(self, active, must_draft, remaining)
+        i = next(rounds)
+        if stepping_from is not None and i >= stepping_from:
+            self.stepping = True
+            return 0
+        bucket = buckets[i % len(buckets)]
+        return 4 if bucket == 0 and must_draft else bucket
+
+    return pick

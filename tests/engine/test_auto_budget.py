@@ -13,6 +13,7 @@ from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import (
     OracleDrafter,
     pick_only_at_the_end,
+    pick_sequence,
     random_prompts,
     tiny_drafter,
     tiny_target,
@@ -216,3 +217,34 @@ def test_a_round_first_run_at_a_calls_end_is_captured_for_the_next_call(monkeypa
     assert "verify@32" in runner._rounds.graphs.graphs  # captured: it ran
     assert outs[1].stats.eager_rounds == 0 and outs[1].stats.capture_time == 0.0
     assert outs[0].tokens == outs[1].tokens == greedy_generate(target, prompts, 24)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_runner_captures_every_round_after_its_first_call(monkeypatch, pipelined):
+    """A Runner's first call, which picked bucket 4 alone, captures every other round after it (each
+    bucket's, each after autoregressive steps, plain decoding's step): its second call, picking all of
+    them, runs no eager round and captures nothing, and both commit plain greedy decoding's tokens
+    (graphs stood in for on the CPU). generate(), one call, captures nothing for later."""
+    monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
+    monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)
+    target, drafter = tiny_target(6), tiny_drafter(6, block_size=8)
+    prompts = random_prompts(8, [6, 10], target.config.vocab_size)
+    config = GenerationConfig(max_new_tokens=40, budget="auto")
+    runner = Runner(target, drafter, config, batch_size=2, prompt_len=10)
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([4]))
+    first = runner.generate(prompts, stage_timing=False)
+    assert set(first.stats.budgets) == {4}
+    keys = set(runner._rounds.graphs.graphs)
+    assert {f"verify@{n}" for n in AUTO_BUCKETS} | {"verify@steps", "draft_wide"} <= keys
+    assert _context_complete(runner)
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([8, 0, 0, 16, 32, 0, 64, 4], stepping_from=9))
+    second = runner.generate(prompts, stage_timing=False)
+    assert set(second.stats.budgets) == set(AUTO_BUCKETS)
+    assert second.stats.eager_rounds == 0 and second.stats.capture_time == 0.0
+    assert first.tokens == second.tokens == greedy_generate(target, prompts, 40)
+
+    captured = []
+    monkeypatch.setattr(loop, "_capture_the_rest", lambda run, rounds: captured.append(rounds))
+    out = generate(target, drafter, prompts, config, stage_timing=False)
+    assert out.tokens == first.tokens and captured == []

@@ -15,7 +15,7 @@ import torch
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
 from kdtree_engine.engine import GenerationConfig, SamplingParams, generate
 from kdtree_engine.model import greedy_generate, random_model, tiny_config
-from tests.engine.helpers import OracleDrafter, pick_only_at_the_end, random_prompts
+from tests.engine.helpers import OracleDrafter, pick_only_at_the_end, pick_sequence, random_prompts
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -225,3 +225,23 @@ def test_auto_budget_captures_a_round_first_run_at_a_calls_end(monkeypatch):
     assert "verify@32" in runner._rounds.graphs.graphs
     assert outs[1].stats.eager_rounds == 0 and outs[1].stats.capture_time == 0.0
     assert outs[0].tokens == outs[1].tokens == greedy_generate(target, prompts, 30)
+
+
+def test_a_runner_captures_every_round_after_its_first_call(monkeypatch):
+    """After a first call that picked bucket 4 alone, a Runner's second call picks every bucket, steps
+    after drafts and plain decoding's steps, runs no eager round, captures nothing, and commits plain
+    greedy decoding's tokens (CUDA graphs captured after the first call, the requests done)."""
+    from kdtree_engine.engine import Runner
+    from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+
+    target, drafter = _models(torch.float32, seed=7)
+    prompts = random_prompts(9, [12, 5], target.config.vocab_size)
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=40, budget="auto"), batch_size=2,
+                    prompt_len=12)  # fmt: skip
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([4]))
+    first = runner.generate(prompts, stage_timing=False)
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([8, 0, 0, 16, 32, 0, 64, 4], stepping_from=9))
+    second = runner.generate(prompts, stage_timing=False)
+    assert set(first.stats.budgets) == {4} and set(second.stats.budgets) == set(AUTO_BUCKETS)
+    assert second.stats.eager_rounds == 0 and second.stats.capture_time == 0.0
+    assert first.tokens == second.tokens == greedy_generate(target, prompts, 40)

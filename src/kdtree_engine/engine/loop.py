@@ -637,6 +637,33 @@ class _Rounds:
         self.graphs.capture(self.stages, order)
         self.last_read = None  # the next read's interval holds the capture
 
+    def every_order(self) -> list[list[_Stage]]:
+        """Every order of stages a round may run: each bucket's, each bucket's after autoregressive
+        steps (auto budget), and plain decoding's step of a call given to steps."""
+        st = self.stages
+        orders = [*st.orders.values(), *st.after_steps.values()]
+        return orders + [st.plain_step] if st.plain_step else orders
+
+    def the_rest(self) -> list[list[_Stage]]:
+        """After a call (every request done), the orders of stages not captured yet (run_and_capture
+        each, and no later call of a Runner runs a round eagerly whichever bucket its policy picks, as
+        a serving engine captures every shape at startup). None while no speculative round has given
+        the drafter's context its per-round shape (a call given to steps from its start)."""
+        if self.run.reqs.running() or self.state.prompt_ctx is not None or self.state.ctx is None:
+            return []
+        return [order for order in self.every_order() if self.uncaptured(order)]
+
+    def run_and_capture(self, order: list[_Stage]) -> None:
+        """Runs `order` once, eagerly (compiling its kernels), and captures it, every request done: the
+        round commits nothing, a finished row keeps its cache length and context (as rounds enqueued
+        past a call's end do), and the drafter's pending context rows are held back meanwhile."""
+        pending = self.state.ctx_lens.clone()
+        self.state.ctx_lens.zero_()  # the drafter's cache gains no rows
+        for st in order:
+            st.fn()
+        self.capture(order)
+        self.state.ctx_lens.copy_(pending)
+
     def discard(self) -> list[list[_Stage]]:
         """Forgets the rounds still in flight (enqueued ahead, past the last request's end): their
         stage times are dropped and they are counted in stats.discarded_rounds. Returns their orders
@@ -687,6 +714,16 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
                 run.stats.capture_time += run.timer.now() - t0
     run.timer.collect()
     return rounds
+
+
+def _capture_the_rest(run: _Run, rounds: _Rounds) -> None:
+    """After a Runner's call, each order of stages its rounds did not capture (_Rounds.the_rest), run
+    and captured; timed as a capture, in the call's capture time."""
+    for order in rounds.the_rest():
+        t0 = run.timer.now()  # a device sync: only around a capture
+        rounds.run_and_capture(order)
+        run.stats.cuda_graphs = True
+        run.stats.capture_time += run.timer.now() - t0
 
 
 def _drafter_config(drafter):
@@ -759,7 +796,13 @@ class Runner:
     def generate(
         self, prompts, *, on_tokens: OnTokens | None = None, stage_timing: bool = True, tokenizer=None
     ) -> GenerationOutput:
-        """One call: as the module's generate() with this Runner's target, drafter and config."""
+        """One call: as the module's generate() with this Runner's target, drafter and config. With the
+        auto budget and CUDA graphs, the call also captures the rounds its policy did not pick yet
+        (once; counted in stats.capture_time), so that no later call runs a round eagerly."""
+        return self._call(prompts, on_tokens, stage_timing, tokenizer, last=False)
+
+    def _call(self, prompts, on_tokens, stage_timing: bool, tokenizer, last: bool) -> GenerationOutput:
+        """Runner.generate; `last`: no call follows (generate()), so nothing is captured for later."""
         cfg = self.target.config
         limit = getattr(cfg, "max_position_embeddings", None)
         prompts = checks.check_prompts(prompts, cfg.vocab_size, limit)
@@ -782,6 +825,8 @@ class Runner:
             self._state = _prefill(run, prompts, self._state)
             timer.collect()
             self._rounds = _decode(run, self._state, self.device, self._rounds)
+            if not last and _use_graphs(run, self.device):
+                _capture_the_rest(run, self._rounds)
         if self._rounds.policy is not None:
             stats.budget_report = self._rounds.policy.report()
         stats.wall_time = timer.now() - t0
@@ -826,4 +871,4 @@ def generate(
     checks.check_stop_tokens(config.stop_tokens, cfg.vocab_size)
     _stop_matchers(config, tokenizer, len(prompts))
     runner = Runner(target, drafter, config, batch_size=len(prompts), prompt_len=max(len(p) for p in prompts))
-    return runner.generate(prompts, on_tokens=on_tokens, stage_timing=stage_timing, tokenizer=tokenizer)
+    return runner._call(prompts, on_tokens, stage_timing, tokenizer, last=True)
