@@ -7,7 +7,7 @@ host is the bottleneck. `--timeline` also lays the timed call out in time: the p
 the first round read, the rounds, and the longest host steps with the round they belong to, to find
 what a call spends outside its rounds.
 
-    python scripts/round_host_time.py [--batch 1 64] [--budgets 8 auto] [--temperature 0] [--timeline]
+    python scripts/round_host_time.py [--batch 1 64] [--budgets 8 auto ar] [--temperature 0] [--timeline]
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def bucket_costs(stats) -> str:
 
 
 def budget_arg(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+    """A budget, "auto", or "ar" (plain autoregressive decoding)."""
+    return text if text in ("auto", "ar") else int(text)
 
 
 def main() -> None:
@@ -105,7 +106,9 @@ def main() -> None:
     for batch in args.batch:
         group = prompt_batches(prompts, batch)[0]
         for budget in args.budgets:
-            config = GenerationConfig(budget=budget, max_new_tokens=args.new_tokens, seed=0,
+            method = "autoregressive" if budget == "ar" else "ddtree"
+            config = GenerationConfig(method=method, budget=32 if budget == "ar" else budget, seed=0,
+                                      max_new_tokens=args.new_tokens,
                                       sampling=SamplingParams(temperature=args.temperature))  # fmt: skip
             runner = Runner(target, drafter, config, batch_size=batch, prompt_len=max(map(len, group)))
             runner.generate(group)

@@ -386,7 +386,7 @@ class _Stages:
         capture = run.capture if into_context else ()
         out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=capture, impl=run.impl,
                          validate=False, row_invariant=run.config.row_invariant)  # fmt: skip
-        self.logits = out.logits
+        self._put("logits", out.logits)  # one tensor for both steps: accept@0's graph reads it
         if into_context:
             at = s.ctx_lens.clamp(max=s.ctx.shape[1] - 1)[:, None, None].expand(-1, 1, s.ctx.shape[-1])
             s.ctx.scatter_(1, at, out.hidden)
