@@ -22,47 +22,59 @@ import torch
 
 from kdtree_engine.bench.plot import markdown_table
 from kdtree_engine.engine import loop
-from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, BudgetPolicy
 from kdtree_engine.engine.requests import Requests
 from kdtree_engine.engine.stats import GenerationStats
 
 
-def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, seed: int = 0) -> dict[str, float]:
-    """Microseconds per round of each host step, over `rounds` synthetic rounds at `batch` requests
-    (token limit past the last round, so that every request runs throughout)."""
+def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: int = 128,
+                 seed: int = 0) -> dict[str, float]:  # fmt: skip
+    """Microseconds per round of each host step, over `rounds` synthetic rounds at `batch` requests, in
+    calls of `new_tokens` tokens per request (a static call: with the auto budget the policy's static
+    call's test runs, every bucket's cost measured before the first timed round, as after a Runner's
+    first call)."""
     rng = np.random.default_rng(seed)
     sums = len(AUTO_BUCKETS) if auto else 0
     committed = torch.zeros(batch, 1 + slots + sums, dtype=torch.int64)
     state = SimpleNamespace(committed=committed, active=torch.ones(batch, dtype=torch.bool))
     stats = GenerationStats(method="ddtree", batch_size=batch)
-    reqs = Requests([rounds * slots + 1] * batch, frozenset({0}), None)
-    run = SimpleNamespace(reqs=reqs, stats=stats, config=SimpleNamespace(method="ddtree"))
-    host = loop._HostCopy(state)
     policy = BudgetPolicy(AUTO_BUCKETS, slots) if auto else None
+    if policy is not None:
+        for k in AUTO_BUCKETS:
+            for _ in range(MIN_COST_ROUNDS):
+                policy.costs.observe(k, 1e-3 * (1 + k / 64))
     seconds = dict.fromkeys(("read", "commit", "pick", "observe"), 0.0)
-    bucket = AUTO_BUCKETS[-1]
-    for r in range(rounds):
-        counts = rng.integers(1, 4, batch)
-        committed[:, 0] = torch.from_numpy(counts)
-        committed[:, 1 : 1 + slots] = torch.from_numpy(rng.integers(1, 1000, (batch, slots)))
-        if auto:
-            floats = rng.random((batch, sums)) * 3
-            committed[:, 1 + slots :] = torch.from_numpy(floats).view(torch.int64)
-        host.send(state)
-        t0 = time.perf_counter()
-        tokens, counts, floats = host.read(sums)
-        t1 = time.perf_counter()
+    bucket, done = AUTO_BUCKETS[-1], 0
+    while done < rounds:
+        reqs = Requests([new_tokens] * batch, frozenset({0}), None)
+        run = SimpleNamespace(reqs=reqs, stats=stats, config=SimpleNamespace(method="ddtree"))
+        host = loop._HostCopy(state)
         if policy is not None:
-            rows = np.flatnonzero(np.asarray(run.reqs.active))
-            policy.observe(bucket, 1e-3 * (1 + bucket / 64), rows, counts, floats if bucket else None)
-        t2 = time.perf_counter()
-        loop._commit(run, state, tokens, counts)
-        t3 = time.perf_counter()
-        if policy is not None:
-            bucket = policy.pick(run.reqs.active, r == 0, reqs.limits - reqs.lengths)
-        t4 = time.perf_counter()
-        for key, dt in (("read", t1 - t0), ("observe", t2 - t1), ("commit", t3 - t2), ("pick", t4 - t3)):
-            seconds[key] += dt
+            policy.new_call()
+        first = True
+        while reqs.running() and done < rounds:
+            counts = rng.integers(1, 4, batch)
+            committed[:, 0] = torch.from_numpy(counts)
+            committed[:, 1 : 1 + slots] = torch.from_numpy(rng.integers(1, 1000, (batch, slots)))
+            if auto:
+                floats = rng.random((batch, sums)) * 3
+                committed[:, 1 + slots :] = torch.from_numpy(floats).view(torch.int64)
+            host.send(state)
+            t0 = time.perf_counter()
+            tokens, counts, floats = host.read(sums)
+            t1 = time.perf_counter()
+            if policy is not None and not first:
+                rows = np.flatnonzero(np.asarray(run.reqs.active))
+                policy.observe(bucket, 1e-3 * (1 + bucket / 64), rows, counts, floats if bucket else None)
+            t2 = time.perf_counter()
+            loop._commit(run, state, tokens, counts)
+            t3 = time.perf_counter()
+            if policy is not None and reqs.running():
+                bucket = policy.pick(run.reqs.active, first, reqs.limits - reqs.lengths)
+            t4 = time.perf_counter()
+            first, done = False, done + 1
+            for key, dt in (("read", t1 - t0), ("observe", t2 - t1), ("commit", t3 - t2), ("pick", t4 - t3)):
+                seconds[key] += dt
     return {k: v / rounds * 1e6 for k, v in seconds.items()}
 
 

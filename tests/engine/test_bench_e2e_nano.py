@@ -307,22 +307,27 @@ def test_nano_missing_drafter_dir_is_named(tmp_path):
 
 
 def test_timed_run_takes_tokens_per_second_untimed_and_stages_from_a_timed_call(monkeypatch):
-    """Three calls on one Runner: compile and capture, stage-timed, untimed; the returned call ran
-    without stage timers and carries the stage times of the call before it, which ran the same rounds."""
+    """Calls on one Runner: compile and capture, stage-timed, then TIMED_CALLS untimed; the returned
+    call is the untimed one of median wall time, and carries the stage times of the stage-timed call,
+    which ran the same rounds."""
     from kdtree_engine.engine import GenerationConfig, Runner
 
-    timing = []
+    timing, walls = [], iter([0.3, 0.1, 0.2])
     real = Runner.generate
 
     def spy(self, prompts, *, stage_timing=True, **kw):
         timing.append(stage_timing)
-        return real(self, prompts, stage_timing=stage_timing, **kw)
+        out = real(self, prompts, stage_timing=stage_timing, **kw)
+        if not stage_timing:
+            out.stats.wall_time = next(walls)
+        return out
 
     monkeypatch.setattr(Runner, "generate", spy)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(6, [5, 7], target.config.vocab_size)
     out = e2e.timed_run(target, drafter, prompts, GenerationConfig(max_new_tokens=6, budget=4))
-    assert timing == [True, True, False]
+    assert timing == [True, True, False, False, False] and e2e.TIMED_CALLS == 3
+    assert out.stats.wall_time == 0.2  # the median
     assert out.stats.stage_times["verify"] > 0 and out.stats.stage_times["draft"] > 0
 
 
