@@ -53,6 +53,7 @@ bucket used for every round from here, the last request's tail counted.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -61,7 +62,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kdtree_engine.engine.budget_call import CallTest, Paces, steady_call_seconds
+from kdtree_engine.engine.budget_call import CallTest, Paces, Pair, steady_call_seconds
 
 AUTO_BUCKETS = (0, 4, 8, 16, 32, 64)  # nodes verified per round besides the root
 COST_WINDOW = 16  # rounds per bucket whose median is its cost
@@ -103,6 +104,20 @@ def bucket_sums(probs: torch.Tensor, buckets: Sequence[int]) -> torch.Tensor:
     return torch.stack([cum[:, min(k, n)] for k in buckets], dim=1)
 
 
+def _maximum(x: float, y: float) -> float:
+    """np.maximum of two Python floats: the first when not smaller, NaN when either is NaN."""
+    return x if x >= y or x != x else y
+
+
+def _slope(n: float, sx: float, sy: float, sxx: float, sxy: float) -> float:
+    """Calibration.slopes() of one bucket from its running sums (n pairs, sums of x, y, x x, x y)."""
+    pairs = _maximum(n, 1.0)
+    var = sxx - sx * sx / pairs
+    cov = sxy - sx * sy / pairs
+    slope = _maximum(cov, 0.0) / var if var > 1e-12 * _maximum(1.0, sxx) else 0.0
+    return slope * n / (n + SLOPE_PAIRS)
+
+
 @dataclass
 class Calibration:
     """What the drafter's path probabilities are worth, learnt from the rounds read (see the module
@@ -117,10 +132,12 @@ class Calibration:
         self.accepted, self.predicted = np.zeros(k), np.zeros(k)
         self.level_sums, self.drafts = np.zeros(k), np.zeros(k)
         self.n, self.sx, self.sy, self.sxx, self.sxy, self.misses = (np.zeros(k) for _ in range(6))
-        self._coefficients: tuple[np.ndarray, np.ndarray] | None = None  # until the next observation
-        self._levels: np.ndarray | None = None  # until the next draft read
-        self._long_run: tuple[np.ndarray, np.ndarray] | None = None  # until the next observation
-        self._nearest: tuple[bytes, np.ndarray] | None = None  # (buckets tried, the one each borrows)
+        # kept results, as arrays and as lists: the coefficients and the long run until the next
+        # observation, the levels (with their unknown mask) until the next draft read
+        self._coefficients: tuple[Pair, tuple[list[float], list[float]]] | None = None
+        self._long_run: tuple[Pair, tuple[list[float], list[float]]] | None = None
+        self._levels: tuple[np.ndarray, list[float], np.ndarray | None] | None = None
+        self._nearest: tuple[list[bool], list[int]] | None = None  # (buckets tried, the one each borrows)
         self._sizes = np.asarray(self.buckets, dtype=np.float64)
 
     def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
@@ -161,69 +178,110 @@ class Calibration:
 
     def ratios(self) -> np.ndarray:
         """ratio(j) of every bucket index j, at once."""
-        tried = self.predicted > 0
-        if not tried.any():
-            return np.ones(len(self.buckets))
-        key = tried.tobytes()
-        if self._nearest is None or self._nearest[0] != key:  # changes only when a bucket is first tried
+        return np.array(self._ratio_values())
+
+    def _ratio_values(self) -> list[float]:
+        """ratios() as Python floats (the same divisions, one per bucket)."""
+        predicted = self.predicted.tolist()
+        tried = [p > 0 for p in predicted]
+        if not any(tried):
+            return [1.0] * len(self.buckets)
+        if self._nearest is None or self._nearest[0] != tried:  # changes only when a bucket is first tried
             sizes = self._sizes
             far = np.abs(sizes[None, :] - sizes[:, None]) * (2.0 * sizes.max() + 2.0) + sizes[None, :]
-            borrows = np.where(tried[None, :], far, np.inf).argmin(axis=1)  # [j]: the bucket it borrows
-            self._nearest = key, borrows
-        nearest = self._nearest[1]
-        return self.accepted[nearest] / self.predicted[nearest]
+            far = np.where(np.array(tried)[None, :], far, np.inf)
+            borrows = far.argmin(axis=1)  # [j]: the bucket it borrows
+            self._nearest = tried, borrows.tolist()
+        accepted = self.accepted.tolist()
+        return [accepted[i] / predicted[i] for i in self._nearest[1]]
 
     def levels(self) -> np.ndarray:
         """The mean S at each bucket over every draft read that built it (NaN before any)."""
+        return self._level_values()[0]
+
+    def unknown_levels(self) -> np.ndarray | None:
+        """np.isnan(levels()), or None where every level is known."""
+        return self._level_values()[2]
+
+    def _level_values(self) -> tuple[np.ndarray, list[float], np.ndarray | None]:
+        """levels() as an array and as a list, and unknown_levels(), kept until the next draft read."""
         if self._levels is None:
-            self._levels = np.where(self.drafts > 0, self.level_sums / np.maximum(self.drafts, 1), np.nan)
+            sums, drafts = self.level_sums.tolist(), self.drafts.tolist()
+            values = [x / _maximum(d, 1.0) if d > 0 else math.nan for x, d in zip(sums, drafts)]
+            levels = np.array(values)
+            unknown = np.isnan(levels)
+            self._levels = levels, values, unknown if unknown.any() else None
         return self._levels
 
     def slopes(self) -> np.ndarray:
         """Per bucket, the least-squares slope of y on x, >= 0, shrunk by n / (n + SLOPE_PAIRS);
         0 without pairs or without spread in x."""
-        n = np.maximum(self.n, 1.0)
-        var = self.sxx - self.sx * self.sx / n
-        cov = self.sxy - self.sx * self.sy / n
-        spread = var > 1e-12 * np.maximum(1.0, self.sxx)
-        slope = np.where(spread, np.maximum(cov, 0.0) / np.where(spread, var, 1.0), 0.0)
-        return slope * self.n / (self.n + SLOPE_PAIRS)
+        columns = (self.n.tolist(), self.sx.tolist(), self.sy.tolist(), self.sxx.tolist(), self.sxy.tolist())
+        return np.array([_slope(*sums) for sums in zip(*columns)])
 
     def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         """(a, b) per bucket: a request's E(n) = max(1, a + b x) for the S x its choice sees (module
         docstring). Without pairs: 1 + r x; bucket 0 (autoregressive): 1."""
-        ratios = self.ratios()
-        beta = self.slopes()
-        n = np.maximum(self.n, 1.0)
-        levels = self.levels()
-        prior = ratios * np.where(np.isnan(levels), self.sx / n, levels)
-        mean_y = (self.sy + PRIOR_PAIRS * prior) / (self.n + PRIOR_PAIRS)
-        fitted = self.n > 0
-        a = np.where(fitted, 1.0 + mean_y - beta * self.sx / n, 1.0)
-        b = np.where(fitted, beta, ratios)
-        zero = np.array(self.buckets) == 0
-        return np.where(zero, 1.0, a), np.where(zero, 0.0, b)
+        a, b = self._coefficient_values()
+        return np.array(a), np.array(b)
+
+    def _coefficient_values(self) -> tuple[list[float], list[float]]:
+        """coefficients() as Python floats, bucket by bucket: the operations of the array form, in
+        the same order (six buckets: a numpy call costs more than the arithmetic it does)."""
+        a, b = [], []
+        columns = (self.n.tolist(), self.sx.tolist(), self.sy.tolist(), self.sxx.tolist(), self.sxy.tolist())
+        levels = self._level_values()[1]
+        for size, ratio, level, (n, sx, sy, sxx, sxy) in zip(
+            self.buckets, self._ratio_values(), levels, zip(*columns), strict=True
+        ):
+            a_k, b_k = 1.0, 0.0  # bucket 0
+            if size != 0:
+                beta = _slope(n, sx, sy, sxx, sxy)
+                pairs = _maximum(n, 1.0)
+                prior = ratio * (sx / pairs if math.isnan(level) else level)
+                mean_y = (sy + PRIOR_PAIRS * prior) / (n + PRIOR_PAIRS)
+                fitted = n > 0
+                a_k = 1.0 + mean_y - beta * sx / pairs if fitted else 1.0
+                b_k = beta if fitted else ratio
+            a.append(a_k)
+            b.append(b_k)
+        return a, b
 
     def long_run(self) -> tuple[np.ndarray, np.ndarray]:
         """(ybar, var) per bucket: the drafted tokens a round accepts in the long run (E at the
         bucket's level of S, less the bonus token; 0 before a draft built it) and the variance of what
         a choice cannot foresee of them (the pairs' squared misses, shrunk towards a geometric count's
         ybar (1 + ybar) by PRIOR_PAIRS pseudo-pairs); 0 and 0 for bucket 0."""
+        return self._long_run_pair()[0]
+
+    def long_run_values(self) -> tuple[list[float], list[float]]:
+        """long_run() as lists of Python floats."""
+        return self._long_run_pair()[1]
+
+    def _long_run_pair(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[list[float], list[float]]]:
+        """long_run() as arrays and as lists, kept until the next observation."""
         if self._long_run is not None:
             return self._long_run  # nothing observed since
-        a, b = self.expected_coefficients()
-        levels = self.levels()
-        known = ~np.isnan(levels)
-        ybar = np.where(known, np.maximum(0.0, a + b * np.where(known, levels, 0.0) - 1.0), 0.0)
-        var = (self.misses + PRIOR_PAIRS * ybar * (1.0 + ybar)) / (self.n + PRIOR_PAIRS)
-        zero = self._sizes == 0
-        self._long_run = np.where(zero, 0.0, ybar), np.where(zero, 0.0, var)
+        a, b = self._coefficient_pair()[1]
+        ybar, var = [], []
+        columns = (self._level_values()[1], self.misses.tolist(), self.n.tolist())
+        for size, a_k, b_k, level, misses, n in zip(self.buckets, a, b, *columns, strict=True):
+            y = 0.0 if math.isnan(level) else _maximum(0.0, a_k + b_k * level - 1.0)
+            v = (misses + PRIOR_PAIRS * y * (1.0 + y)) / (n + PRIOR_PAIRS)
+            ybar.append(0.0 if size == 0 else y)
+            var.append(0.0 if size == 0 else v)
+        self._long_run = (np.array(ybar), np.array(var)), (ybar, var)
         return self._long_run
 
     def expected_coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         """coefficients(), kept until the next observation (autoregressive rounds teach nothing)."""
+        return self._coefficient_pair()[0]
+
+    def _coefficient_pair(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[list[float], list[float]]]:
+        """expected_coefficients() as arrays and as lists."""
         if self._coefficients is None:
-            self._coefficients = self.coefficients()
+            a, b = self._coefficient_values()
+            self._coefficients = (np.array(a), np.array(b)), (a, b)
         return self._coefficients
 
     def expected(self, seen: np.ndarray) -> np.ndarray:
@@ -239,10 +297,15 @@ class CostTable:
     buckets: tuple[int, ...]
     times: dict[int, deque] = field(default_factory=dict)
     _estimates: dict[int, float] = field(default_factory=dict)  # estimate() per bucket, until observed
+    _all: tuple[np.ndarray, list[float], bool] | None = None  # estimates(), until the next observation
 
     def observe(self, bucket: int, seconds: float) -> None:
-        self.times.setdefault(bucket, deque(maxlen=COST_WINDOW)).append(float(seconds))
+        times = self.times.get(bucket)
+        if times is None:
+            times = self.times[bucket] = deque(maxlen=COST_WINDOW)
+        times.append(float(seconds))
         self._estimates.pop(bucket, None)
+        self._all = None
 
     def measured(self, bucket: int) -> float | None:
         t = self.times.get(bucket)
@@ -257,15 +320,27 @@ class CostTable:
             self._estimates[bucket] = statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
         return self._estimates[bucket]
 
+    def estimates(self) -> tuple[np.ndarray, list[float], bool]:
+        """estimate() of every bucket, as an array and as a list, and whether a bucket is unmeasured
+        (an estimate of 0 or less)."""
+        if self._all is None:
+            values = [float(self.estimate(k)) for k in self.buckets]
+            self._all = np.array(values), values, any(c <= 0 for c in values)
+        return self._all
+
 
 def choose(expected: Sequence[float], costs: Sequence[float], rate: float) -> int:
     """The index of the bucket with the most expected tokens beyond what its cost is worth at `rate`
     (tokens per second: the steady rate, module docstring); a bucket of cost 0 (never measured) first,
     the smallest such (exploration); ties: the smaller."""
-    for j, c in enumerate(costs):
+    best, most = 0, None
+    for j, (e, c) in enumerate(zip(expected, costs)):
         if c <= 0:
             return j
-    return max(range(len(costs)), key=lambda j: (expected[j] - rate * costs[j], -j))
+        value = e - rate * c
+        if most is None or value > most:  # a later bucket only when strictly better
+            best, most = j, value
+    return best
 
 
 def steady_rate(at_levels: Sequence[float], costs: Sequence[float]) -> float:
@@ -314,6 +389,7 @@ class BudgetPolicy:
         self.calibration = Calibration(self.buckets)
         self.costs = CostTable(self.buckets)
         self.paces = Paces()
+        self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
         self.new_call()
 
     def new_call(self) -> None:
@@ -339,13 +415,17 @@ class BudgetPolicy:
     def _seen(self, rows: np.ndarray) -> np.ndarray:
         """The S at every bucket the choice sees for the request rows: each one's last draft's, pulled
         towards the bucket's level by STALE_DECAY per round picked since it was read (the level alone
-        before its first draft read). Drafting every round, each pick follows a read: the age stays 0."""
+        before its first draft read; 0 where neither is known). Drafting every round, each pick follows
+        a read: the age stays 0."""
         own = self.sums[rows]
-        levels = self.calibration.levels()
-        keep = (STALE_DECAY ** self.age[rows])[:, None]
-        aged = np.where(np.isnan(levels), own, levels + keep * (own - levels))
-        seen = np.where(np.isnan(own), levels, aged)
-        seen[np.isnan(seen)] = 0.0
+        levels, unknown = self.calibration.levels(), self.calibration.unknown_levels()
+        seen = own - levels  # levels + keep (own - levels), in place
+        seen *= (STALE_DECAY ** self.age[rows])[:, None]
+        seen += levels
+        if unknown is not None:  # a bucket no draft built yet: the request's own S
+            np.copyto(seen, own, where=unknown)
+        np.copyto(seen, levels, where=np.isnan(own))
+        np.copyto(seen, 0.0, where=np.isnan(seen))
         return seen
 
     def pick(self, active: Sequence[bool], must_draft: bool, remaining: Sequence[int] | None = None) -> int:
@@ -362,43 +442,41 @@ class BudgetPolicy:
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
-        costs = np.array([self.costs.estimate(k) for k in self.buckets])
-        if self.stepping or (
-            remaining is not None and self._steps_end_soonest(rows, remaining, costs, must_draft)
-        ):
+        if self.stepping or (remaining is not None and self._steps_end_soonest(rows, remaining, must_draft)):
             j = self.buckets.index(0)
         else:
-            expected = per_row.sum(axis=0)
-            allowed = [j for j, k in enumerate(self.buckets) if k > 0 or not must_draft]
-            rate = self._steady_rate(rows.size, costs)
-            picked = choose([float(expected[j]) for j in allowed], [float(costs[j]) for j in allowed], rate)
+            expected = per_row.sum(axis=0).tolist()
+            _, costs, _ = self.costs.estimates()
+            allowed = self._drafting if must_draft else range(len(self.buckets))
+            rate = self._steady_rate(rows.size)
+            picked = choose([expected[j] for j in allowed], [costs[j] for j in allowed], rate)
             j = allowed[picked]
         self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
 
-    def _steady_rate(self, requests: int, costs: np.ndarray) -> float:
+    def _steady_rate(self, requests: int) -> float:
         """lambda of the choice (module docstring): the batch's tokens per second with the best bucket
         every round, its `requests` each committing the bucket's long-run tokens (Calibration.long_run:
         E at the bucket's level of S); 0 while a bucket is unmeasured (costs 0: the choice explores)."""
-        if requests == 0 or (costs <= 0).any():
+        _, costs, unmeasured = self.costs.estimates()
+        if requests == 0 or unmeasured:
             return 0.0
-        ybar, _ = self.calibration.long_run()
-        return steady_rate(((1.0 + ybar) * requests).tolist(), costs.tolist())
+        ybar, _ = self.calibration.long_run_values()
+        return steady_rate([(1.0 + y) * requests for y in ybar], costs)
 
-    def _steps_end_soonest(
-        self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, must_draft: bool
-    ) -> bool:
+    def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int], must_draft: bool) -> bool:
         """The static call's test (engine.budget_call.CallTest) for the running request rows, once every
-        bucket's cost (costs [buckets]: CostTable.estimate) is measured: the tokens each has left less
-        what the rounds picked and not read yet are expected to commit. A decisive answer for steps
-        gives the call to steps (`stepping`); while the drafter must run, only such an answer steps."""
+        bucket's cost (CostTable.estimate) is measured: the tokens each has left less what the rounds
+        picked and not read yet are expected to commit. A decisive answer for steps gives the call to
+        steps (`stepping`); while the drafter must run, only such an answer steps."""
         if 0 not in self.buckets or rows.size == 0:
             return False
-        if (costs <= 0).any():
+        costs, _, unmeasured = self.costs.estimates()
+        if unmeasured:
             return False
-        most = float(np.max(np.asarray(remaining)[rows]))
+        most = float(np.asarray(remaining)[rows].max())
         steps = self.call_test.kept_answer(most)
         decisive = steps is not None  # an answer is kept only when it was decisive
         if steps is None:
@@ -437,14 +515,14 @@ class BudgetPolicy:
         committed = np.asarray(counts, dtype=np.float64)
         accepted = committed[rows] - 1.0
         if choice is not None:
-            running = np.zeros(max(int(choice.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, bool)
-            running[rows] = True
-            same = running[choice.rows]  # rows still running: their acceptance is this round's
-            got = committed[choice.rows[same]] - 1.0
-            ybar, variance = cal.long_run()  # before this round is added
-            self.paces.observe(choice.rows[same], got, float(ybar[j]), float(variance[j]))
-            cal.observe_choices(j, choice.seen[same], got, choice.expected[same])
-            expected = float(choice.expected[same].sum())
+            got = accepted  # the rows the choice saw ran this round: their acceptance is this round's
+            if choice.rows.size != rows.size or not (choice.rows == rows).all():
+                choice = self._still_running(choice, rows)
+                got = committed[choice.rows] - 1.0
+            ybar, variance = cal.long_run_values()  # before this round is added
+            self.paces.observe(choice.rows, got, ybar[j], variance[j])
+            cal.observe_choices(j, choice.seen, got, choice.expected)
+            expected = float(choice.expected.sum())
         else:
             expected = float(len(rows))
         cal.observe_drafts(own)
@@ -455,6 +533,15 @@ class BudgetPolicy:
         self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
         self._rows(int(rows.max()) + 1 if rows.size else 0)
         self.sums[rows], self.age[rows] = own, 0
+
+    @staticmethod
+    def _still_running(choice: _Choice, rows: np.ndarray) -> _Choice:
+        """The part of a choice (in its order) whose rows ran in the round read (`rows`: that round's
+        request rows)."""
+        running = np.zeros(max(int(choice.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, bool)
+        running[rows] = True
+        same = running[choice.rows]
+        return _Choice(choice.rows[same], choice.seen[same], choice.expected[same])
 
     def report(self) -> dict[int, dict[str, float]]:
         """Per bucket, over this call: rounds read, mean tokens per request predicted (uncalibrated:

@@ -62,7 +62,8 @@ def expected_last(rounds: np.ndarray, variance: np.ndarray) -> np.ndarray:
     top = rounds.max(axis=0)
     if z == 0.0:
         return top
-    tau = np.maximum(z * np.sqrt(variance.mean(axis=0)) / math.log(count), 1e-9)
+    mean = variance.sum(axis=0) / count  # variance.mean(axis=0), without its wrapper
+    tau = np.maximum(z * np.sqrt(mean) / math.log(count), 1e-9)
     return top + tau * np.log(np.exp((rounds - top) / tau).sum(axis=0))
 
 
@@ -105,7 +106,7 @@ class CallTest:
         """seconds [K]: steady_call_seconds; steps: the index of bucket 0 -> whether to step (its time
         is the least), kept by the rule above."""
         step_time = seconds[steps]
-        tree_time = np.delete(seconds, steps).min()
+        tree_time = seconds[np.arange(seconds.size) != steps].min()
         self.answer, self.left = bool(step_time <= tree_time), most
         margin = max(step_time, tree_time) / min(step_time, tree_time) - 1.0
         self.kept = KEEP_ROUNDS if margin > KEEP_MARGIN else 0
@@ -145,6 +146,8 @@ class Paces:
         """(got / par, its noise variance noise / par^2) per row; 1 and inf for a row without rounds."""
         par = self.par[rows]
         seen = par > 0
+        if seen.all():  # every row has run: the same divisions, no row to fill in
+            return self.got[rows] / par, self.noise[rows] / (par * par)
         safe = np.where(seen, par, 1.0)
         ratio = np.where(seen, self.got[rows] / safe, 1.0)
         return ratio, np.where(seen, self.noise[rows] / (safe * safe), np.inf)
