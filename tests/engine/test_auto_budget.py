@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
-from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, CostTable
+from kdtree_engine.engine.budget import BudgetPolicy, CostTable, auto_buckets
 from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import (
     OracleDrafter,
@@ -34,15 +34,17 @@ def _context_complete(runner: Runner) -> bool:
 
 
 @pytest.mark.parametrize("pipelined", [False, True])
-def test_auto_tries_every_bucket_and_stays_greedy(monkeypatch, pipelined):
+def test_auto_tries_every_bucket_and_stays_greedy(monkeypatch, pipelined, rule_alone):
+    """Every bucket tried (the chain's 7 included), greedy output kept, the drafter's context complete
+    (the rule alone: a call given to steps leaves its context behind by design)."""
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
     target, drafter = tiny_target(3), tiny_drafter(3, block_size=8)
     prompts = random_prompts(2, [6, 11, 3], target.config.vocab_size)
-    config = GenerationConfig(max_new_tokens=30, budget="auto")
+    config = GenerationConfig(max_new_tokens=45, budget="auto")
     runner = Runner(target, drafter, config, batch_size=3, prompt_len=11)
     out = runner.generate(prompts)
-    assert out.tokens == greedy_generate(target, prompts, 30)
-    assert set(out.stats.budgets) == set(AUTO_BUCKETS)  # each tried once at least (exploration)
+    assert out.tokens == greedy_generate(target, prompts, 45)
+    assert set(out.stats.budgets) == set(auto_buckets(7))  # each tried once at least (exploration)
     assert out.stats.budgets[0] > 0  # the first round drafts: the prompts' features are pending
     assert out.stats.drafter_forwards == sum(k > 0 for k in out.stats.budgets)
     report = out.stats.budget_report
@@ -236,11 +238,11 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch, pipelin
     first = runner.generate(prompts, stage_timing=False)
     assert set(first.stats.budgets) == {4}
     keys = set(runner._rounds.graphs.graphs)
-    assert {f"verify@{n}" for n in AUTO_BUCKETS} | {"verify@steps", "draft_wide"} <= keys
+    assert {f"verify@{n}" for n in auto_buckets(7)} | {"verify@steps", "draft_wide"} <= keys
     assert _context_complete(runner)
-    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([8, 0, 0, 16, 32, 0, 64, 4], stepping_from=9))
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([8, 0, 0, 16, 32, 0, 64, 7, 4], stepping_from=10))
     second = runner.generate(prompts, stage_timing=False)
-    assert set(second.stats.budgets) == set(AUTO_BUCKETS)
+    assert set(second.stats.budgets) == set(auto_buckets(7))  # the chain's bucket 7 included
     assert second.stats.eager_rounds == 0 and second.stats.capture_time == 0.0
     assert first.tokens == second.tokens == greedy_generate(target, prompts, 40)
 

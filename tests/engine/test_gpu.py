@@ -180,9 +180,9 @@ def test_auto_budget_graphs_equal_eager_and_autoregressive(monkeypatch):
     speculative rounds in a row (the half buffer): replayed rounds commit what eager rounds and plain
     greedy decoding do (float32, kernels, a real drafter), and every bucket's stages were captured."""
     from kdtree_engine.engine import Runner
-    from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+    from kdtree_engine.engine.budget import BudgetPolicy, auto_buckets
 
-    script = itertools.cycle([4, 0, 0, 8, 16, 16, 0, 32, 64, 64, 0, 8, 4])
+    script = itertools.cycle([4, 0, 0, 8, 16, 16, 0, 32, 64, 64, 0, 8, 15, 4])  # 15: the chain
     real_pick = BudgetPolicy.pick
 
     def scripted(self, active, must_draft, remaining=None):
@@ -203,9 +203,9 @@ def test_auto_budget_graphs_equal_eager_and_autoregressive(monkeypatch):
         assert outs[graphs].stats.cuda_graphs == graphs
         if graphs:
             keys = set(runner._rounds.graphs.graphs)
-            assert {f"verify@{k}" for k in AUTO_BUCKETS} <= keys and {"draft", "draft_wide"} <= keys
+            assert {f"verify@{k}" for k in auto_buckets(15)} <= keys and {"draft", "draft_wide"} <= keys
     assert outs[True].tokens == outs[False].tokens == expected
-    assert set(outs[True].stats.budgets) == set(AUTO_BUCKETS)
+    assert set(outs[True].stats.budgets) == set(auto_buckets(15))
     _report(f"cuda graphs auto: {outs[True].stats.summary()}")
 
 
@@ -232,7 +232,7 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch):
     after drafts and plain decoding's steps, runs no eager round, captures nothing, and commits plain
     greedy decoding's tokens (CUDA graphs captured after the first call, the requests done)."""
     from kdtree_engine.engine import Runner
-    from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+    from kdtree_engine.engine.budget import BudgetPolicy, auto_buckets
 
     target, drafter = _models(torch.float32, seed=7)
     prompts = random_prompts(9, [12, 5], target.config.vocab_size)
@@ -240,8 +240,10 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch):
                     prompt_len=12)  # fmt: skip
     monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([4]))
     first = runner.generate(prompts, stage_timing=False)
-    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([8, 0, 0, 16, 32, 0, 64, 4], stepping_from=9))
+    monkeypatch.setattr(
+        BudgetPolicy, "pick", pick_sequence([8, 0, 0, 16, 32, 0, 64, 15, 4], stepping_from=10)
+    )
     second = runner.generate(prompts, stage_timing=False)
-    assert set(first.stats.budgets) == {4} and set(second.stats.budgets) == set(AUTO_BUCKETS)
+    assert set(first.stats.budgets) == {4} and set(second.stats.budgets) == set(auto_buckets(15))
     assert second.stats.eager_rounds == 0 and second.stats.capture_time == 0.0
     assert first.tokens == second.tokens == greedy_generate(target, prompts, 40)

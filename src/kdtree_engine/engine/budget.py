@@ -1,6 +1,9 @@
 """The cost-aware tree budget ("auto"): each round the engine verifies the first n nodes of the draft
 tree for the n among a few captured buckets (0 included: an autoregressive step, no drafter forward)
-that maximizes the expected committed tokens per second of the whole batch.
+that maximizes the expected committed tokens per second of the whole batch. One more bucket is
+DFlash's chain (`auto_buckets`): the top-1 token of each of the drafter's L positions, L nodes, whose
+S is the sum of their path probabilities (`chain_sums`); for a drafter whose probabilities understate
+its top-1 it beats every best-first tree, and the measured rates then pick it.
 
 The path probabilities. A best-first tree's nodes come out in decreasing draft path probability.
 Under sampled DDTree acceptance with a drafter whose distribution is the target's, node i is on the
@@ -102,6 +105,50 @@ def bucket_sums(probs: torch.Tensor, buckets: Sequence[int]) -> torch.Tensor:
     b, n = probs.shape
     cum = torch.cat([probs.new_zeros(b, 1), probs.float().cumsum(dim=1)], dim=1)  # [B, n + 1]
     return torch.stack([cum[:, min(k, n)] for k in buckets], dim=1)
+
+
+def auto_buckets(chain_nodes: int | None) -> tuple[int, ...]:
+    """The auto budget's buckets for a drafter of L = chain_nodes drafted positions: AUTO_BUCKETS and
+    DFlash's chain of L nodes (bucket L: L nodes verified besides the root, node i the top-1 of drafted
+    position i), in order of size. No chain where a tree bucket has L nodes (the bucket is its size) or
+    L exceeds the largest bucket (a call's buffers are sized for that one)."""
+    if (
+        chain_nodes is None
+        or chain_nodes < 1
+        or chain_nodes in AUTO_BUCKETS
+        or chain_nodes > max(AUTO_BUCKETS)
+    ):
+        return AUTO_BUCKETS
+    return tuple(sorted((*AUTO_BUCKETS, chain_nodes)))
+
+
+def chain_sums(top_logprobs: torch.Tensor) -> torch.Tensor:
+    """S of the chain: the sum of its nodes' path probabilities, node d's the product of the top-1
+    probabilities of drafted positions 1..d. top_logprobs [B, L, K] (tree.ops.logits_topk: each
+    position's top-k, largest first) -> [B] float32. Device ops only."""
+    return top_logprobs[..., 0].float().cumsum(dim=1).exp().sum(dim=1)
+
+
+def round_sums(probs: torch.Tensor, top_logprobs: torch.Tensor, buckets: Sequence[int], n: int,
+               chain: int | None) -> torch.Tensor:  # fmt: skip
+    """What a round of bucket n tells of S at every bucket ([B, len(buckets)] float32, NaN where it
+    tells nothing). probs [B, n] the path probabilities of its tree's nodes, top_logprobs the top-k
+    the tree was built from, chain the chain's bucket (None: none). A best-first tree of n nodes tells
+    the first-k sums at every tree bucket k <= n and the chain's S (the top-1 of each position is in
+    any top-k); the chain's round (n == chain) tells its own S only. Device ops only."""
+    nan = probs.new_full((probs.shape[0],), float("nan"))
+    if n == chain:
+        own = probs.sum(dim=1)
+        return torch.stack([own if k == chain else nan for k in buckets], dim=1)
+    trees = [k for k in buckets if k != chain and k <= n]
+    built = bucket_sums(probs, trees)
+    columns = []
+    for k in buckets:
+        if k == chain:
+            columns.append(chain_sums(top_logprobs))
+        else:
+            columns.append(built[:, trees.index(k)] if k in trees else nan)
+    return torch.stack(columns, dim=1)
 
 
 def _maximum(x: float, y: float) -> float:

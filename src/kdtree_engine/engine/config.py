@@ -29,8 +29,9 @@ class GenerationConfig:
     method: "autoregressive" (no drafter), "dflash" (one chain of the drafter's L = block_size - 1
         positions) or "ddtree" (a best-first tree of `budget` nodes).
     budget: DDTree nodes per round, root not counted, at most MAX_BUDGET; None means L. 0 verifies the
-        root only (one token per round). "auto": each round picks among engine.budget.AUTO_BUCKETS (0:
-        an autoregressive step) the budget with the most expected tokens per second. Ignored by
+        root only (one token per round). "auto": each round picks among engine.budget.auto_buckets
+        (AUTO_BUCKETS, 0 an autoregressive step, and the drafter's DFlash chain) the budget with the
+        most expected tokens per second. Ignored by
         "autoregressive" and "dflash".
     sampling: temperature 0 is greedy; otherwise the target's token at every node is sampled (tempered,
         top-k, top-p).

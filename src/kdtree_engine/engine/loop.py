@@ -39,11 +39,11 @@ import torch
 
 from kdtree_engine.engine import checks
 from kdtree_engine.engine.budget import (
-    AUTO_BUCKETS,
     STEP_ROUNDS,
     BudgetPolicy,
-    bucket_sums,
+    auto_buckets,
     path_probabilities,
+    round_sums,
 )
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
@@ -75,11 +75,17 @@ class GenerationOutput:
 def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
     """DFlash's single chain: the argmax of each drafted position, node i+1 at depth i+1 under node i.
     draft_logits [B, L, V] -> DraftTree with budget L."""
-    b, depth, _ = draft_logits.shape
-    dev = draft_logits.device
+    return chain_of(draft_logits.argmax(-1))
+
+
+def chain_of(tokens: torch.Tensor) -> DraftTree:
+    """The chain of `tokens` [B, L] (int64, one per drafted position): node i+1 at depth i+1 under node
+    i, budget L."""
+    b, depth = tokens.shape
+    dev = tokens.device
     ar = torch.arange(depth + 1, device=dev)
     return DraftTree(
-        tokens=draft_logits.argmax(-1),
+        tokens=tokens,
         depths=(ar[1:]).expand(b, depth).contiguous(),
         parents=(ar - 1).expand(b, depth + 1).contiguous(),
         num_nodes=torch.full((b,), depth, dtype=torch.int64, device=dev),
@@ -207,7 +213,7 @@ class _Stage(NamedTuple):
 
 class _Stages:
     """The stages of one round of run.config.method on `state`, in order, per bucket (the budget of the
-    round: one bucket for a fixed budget; engine.budget.AUTO_BUCKETS with budget "auto", 0 being an
+    round: one bucket for a fixed budget; engine.budget.auto_buckets with budget "auto", 0 being an
     autoregressive step that feeds the drafter's context). Each stage reads and writes device tensors
     only: the state, in place, and the outputs of the stages before it in the round (attributes of this
     object)."""
@@ -230,7 +236,9 @@ class _Stages:
         accept = run.config.sampling.greedy or self.keys is not None  # capturable
         drafter = bool(getattr(run.drafter, "capturable", False))
         auto = run.config.auto_budget
-        self.buckets = AUTO_BUCKETS if auto else (run.budget,)
+        chain_nodes = run.drafter.block_size - 1 if auto else None
+        self.buckets = auto_buckets(chain_nodes) if auto else (run.budget,)
+        self.chain = chain_nodes if auto and chain_nodes in self.buckets else None  # DFlash's chain
         self.orders: dict[int, list[_Stage]] = {}
         self.after_steps: dict[int, list[_Stage]] = {}  # auto budget: a bucket's round after AR steps
         self.plain_step: list[_Stage] = []  # auto budget: a step of a call given to steps
@@ -307,6 +315,9 @@ class _Stages:
         run = self.run
         if run.config.method == "dflash":
             self.trees[n] = chain_tree(self.draft_logits)  # [B, L, V] -> L nodes
+        elif n == self.chain:  # the auto budget's chain: the top-1 of each position, its log-probability
+            self.topk[n] = logits_topk(self.draft_logits, 1, impl=run.impl, validate=False)
+            self.trees[n] = chain_of(self.topk[n][1][..., 0])
         elif run.config.auto_budget:
             self.topk[n] = logits_topk(self.draft_logits, n, impl=run.impl, validate=False)
             self.trees[n] = build_tree(*self.topk[n], n, impl=run.impl, validate=False)
@@ -314,9 +325,9 @@ class _Stages:
             self.trees[n] = build_tree_from_logits(self.draft_logits, n, impl=run.impl, validate=False)
 
     def compile(self, n: int) -> None:
-        """The verify inputs of bucket n's tree; with the auto budget, also each request's expected
-        acceptance at every bucket up to n (engine.budget: the sums of the path probabilities; NaN for
-        the larger buckets, whose nodes this round did not build)."""
+        """The verify inputs of bucket n's tree; with the auto budget, also each request's S at every
+        bucket the round tells (engine.budget.round_sums: the sums of the path probabilities at the
+        trees up to n and at the chain; NaN for the buckets whose nodes this round did not build)."""
         run, s, tree = self.run, self.s, self.trees[n]
         vin = compile_tree(tree, s.bonus, s.start, impl=run.impl, validate=False)
         # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
@@ -324,9 +335,7 @@ class _Stages:
         self.inputs[n] = (vin.input_ids, pos, vin.visibility)
         if run.config.auto_budget:
             probs = path_probabilities(*self.topk[n], tree.tokens, tree.depths, vin.visibility)
-            built = bucket_sums(probs, [k for k in self.buckets if k <= n])
-            unknown = built.new_full((built.shape[0], len(self.buckets) - built.shape[1]), float("nan"))
-            self.sums[n] = torch.cat([built, unknown], dim=1)
+            self.sums[n] = round_sums(probs, self.topk[n][0], self.buckets, n, self.chain)
 
     def _first(self, n: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tree, input_ids, positions, visibility) of bucket n."""
