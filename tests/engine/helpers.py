@@ -133,3 +133,35 @@ def pick_sequence(buckets, stepping_from: int | None = None):
         return 4 if bucket == 0 and must_draft else bucket
 
     return pick
+
+
+class HostPrefillGraphs:
+    """engine.prefill.PrefillGraphs on the CPU: the same bookkeeping (a width captured once, after its
+    first eager prefill; static ids and lengths written before each replay), a replay that runs the
+    forward on the static inputs. `captures` counts captures (reset by the tests)."""
+
+    captures = 0
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, _HostPrefill] = {}
+
+    def get(self, width: int):
+        return self.graphs.get(width)
+
+    def capture(self, run, cache, ids, lens) -> None:
+        self.graphs[ids.shape[1]] = _HostPrefill(run, cache, ids.clone(), lens.clone())
+        HostPrefillGraphs.captures += 1
+
+
+class _HostPrefill:
+    def __init__(self, run, cache, ids, lens) -> None:
+        self.target, self.cache, self.ids, self.lens = run, cache, ids, lens
+        self.replays = 0
+
+    def run(self, ids, lens):
+        from kdtree_engine.engine.prefill import prefill_forward
+
+        self.ids.copy_(ids)
+        self.lens.copy_(lens)
+        self.replays += 1
+        return prefill_forward(self.target, self.cache, self.ids, self.lens, validate=False)

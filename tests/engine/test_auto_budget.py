@@ -11,6 +11,7 @@ from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, gener
 from kdtree_engine.engine.budget import BudgetPolicy, CostTable, auto_buckets
 from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import (
+    HostPrefillGraphs,
     OracleDrafter,
     pick_only_at_the_end,
     pick_sequence,
@@ -207,6 +208,7 @@ def test_a_round_first_run_at_a_calls_end_is_captured_for_the_next_call(monkeypa
     captured after them, so that the Runner's next identical call runs no eager round (graphs stood in
     for on the CPU: the loop's bookkeeping of what is captured, not CUDA's capture)."""
     monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
     monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)
     monkeypatch.setattr(BudgetPolicy, "pick", pick_only_at_the_end(32))  # bucket 32 for the last round
@@ -228,6 +230,7 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch, pipelin
     them, runs no eager round and captures nothing, and both commit plain greedy decoding's tokens
     (graphs stood in for on the CPU). generate(), one call, captures nothing for later."""
     monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
     monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)
     target, drafter = tiny_target(6), tiny_drafter(6, block_size=8)

@@ -247,3 +247,32 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch):
     assert set(first.stats.budgets) == {4} and set(second.stats.budgets) == set(auto_buckets(15))
     assert second.stats.eager_rounds == 0 and second.stats.capture_time == 0.0
     assert first.tokens == second.tokens == greedy_generate(target, prompts, 40)
+
+
+@pytest.mark.parametrize("budget", [8, "auto"])
+def test_a_runner_replays_its_prefill_graphs(budget):
+    """A Runner's prefill is captured per padded width after its first prefill and replayed with each
+    later call's own prompts: calls of widths 16, 32, 16 commit plain greedy decoding's tokens, the
+    third captures nothing; a sampled Runner draws the same tokens from its eager and its replayed
+    prefill."""
+    from kdtree_engine.engine import Runner
+
+    target, drafter = _models(torch.float32, seed=3)
+    vocab = target.config.vocab_size
+    calls = [
+        random_prompts(1, [5, 11], vocab),
+        random_prompts(2, [20, 3], vocab),
+        random_prompts(3, [9, 2], vocab),
+    ]
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=24, budget=budget), batch_size=2,
+                    prompt_len=40)  # fmt: skip
+    outs = [runner.generate(prompts, stage_timing=False) for prompts in calls]
+    for prompts, out in zip(calls, outs, strict=True):
+        assert out.tokens == greedy_generate(target, prompts, 24)
+    assert sorted(runner._prefills.graphs) == [16, 32] and outs[2].stats.capture_time == 0.0
+    sampled = GenerationConfig(
+        max_new_tokens=24, budget=budget, seed=5, sampling=SamplingParams(temperature=1.0)
+    )
+    runner = Runner(target, drafter, sampled, batch_size=2, prompt_len=40)
+    first, second = (runner.generate(calls[0], stage_timing=False) for _ in range(2))
+    assert first.tokens == second.tokens

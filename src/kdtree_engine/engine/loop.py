@@ -47,6 +47,7 @@ from kdtree_engine.engine.budget import (
 )
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
+from kdtree_engine.engine.prefill import PrefillGraphs, prefill_forward, prefill_width
 from kdtree_engine.engine.requests import OnTokens, Requests
 from kdtree_engine.engine.sampling import accept_tokens, root_tree
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
@@ -170,10 +171,13 @@ def _reset_cache(cache) -> None:
         seqlens.zero_()
 
 
-def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None) -> _State:
-    """Prefill of the ragged prompts, padded to the longest, capturing the drafter's target layers;
-    commits each request's first token, chosen from its last real row. `state`: the state of an earlier
-    call of the same shape (a Runner's), reset and written in place; None: a new one."""
+def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None,
+             graphs: PrefillGraphs | None = None, width: int | None = None) -> _State:  # fmt: skip
+    """Prefill of the ragged prompts, padded to `width` (default: the longest), capturing the drafter's
+    target layers; commits each request's first token, chosen from its last real row. `state`: the
+    state of an earlier call of the same shape (a Runner's), reset and written in place; None: a new
+    one. `graphs` (a Runner's on CUDA): the prefill replays the graph of its width, or runs eagerly and
+    is captured after (in the call's capture time)."""
     b = len(prompts)
     cache = state.cache if state is not None else run.target.new_cache(b, run.max_len)
     if state is not None:
@@ -181,10 +185,15 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None) -
         if state.dcache is not None:
             _reset_cache(state.dcache)
     with run.timer.stage("prefill"):
-        ids, lens = pad_prompts(prompts, cache.seqlens.device)
-        out = run.target(ids, cache, lengths=lens, capture_layers=run.capture, impl=run.impl,
-                         logits_rows=lens - 1, row_invariant=run.config.row_invariant)  # fmt: skip
+        ids, lens = pad_prompts(prompts, cache.seqlens.device, width)
+        graph = graphs.get(ids.shape[1]) if graphs is not None else None
+        out = graph.run(ids, lens) if graph is not None else prefill_forward(run, cache, ids, lens)
         bonus = _pick(run, out.logits[:, 0])  # [B]
+    if graphs is not None and graph is None:
+        t0 = run.timer.now()  # a device sync: only around a capture
+        graphs.capture(run, cache, ids, lens)
+        run.stats.cuda_graphs = True
+        run.stats.capture_time += run.timer.now() - t0
     run.stats.target_forwards += 1
     run.reqs.commit_round(bonus.cpu().numpy().astype(np.int64)[:, None], np.ones(b, dtype=np.int64))
     active = torch.from_numpy(run.reqs.active.copy()).to(lens.device)
@@ -786,6 +795,7 @@ class Runner:
         checks.check_memory(self.device, self.sizes.needs)
         self._state: _State | None = None
         self._rounds: _Rounds | None = None
+        self._prefills: PrefillGraphs | None = None  # on CUDA with graphs, after the first call
 
     def _sizes(self, lengths: list[int]):
         cfg, drafter = self.target.config, _drafter_config(self.drafter)
@@ -801,6 +811,17 @@ class Runner:
             raise ValueError(
                 f"prompts: a prompt of {longest} tokens, over this Runner's prompt_len={self.prompt_len}"
             )
+
+    def _prefill(self, run: _Run, prompts: list[list[int]], last: bool) -> _State:
+        """The call's prefill on this Runner's state: with CUDA graphs and a later call to come, padded
+        to its width (engine.prefill) and replayed from that width's graph (captured after its first
+        prefill); otherwise eager, padded to the longest prompt."""
+        if last or not _use_graphs(run, self.device):
+            return _prefill(run, prompts, self._state)
+        if self._prefills is None:
+            self._prefills = PrefillGraphs()
+        width = prefill_width(max(len(p) for p in prompts), self.prompt_len)
+        return _prefill(run, prompts, self._state, self._prefills, width)
 
     def generate(
         self, prompts, *, on_tokens: OnTokens | None = None, stage_timing: bool = True, tokenizer=None
@@ -831,7 +852,7 @@ class Runner:
         _check_row_invariant(run, self.device)
         t0 = timer.now()
         with torch.inference_mode():
-            self._state = _prefill(run, prompts, self._state)
+            self._state = self._prefill(run, prompts, last)
             timer.collect()
             self._rounds = _decode(run, self._state, self.device, self._rounds)
             if not last and _use_graphs(run, self.device):

@@ -10,11 +10,17 @@ import torch
 from kdtree_engine.model.model import DeepseekV3ForCausalLM
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged prompts -> input_ids [b, t_max] int64 (padded with 0) and lengths [b] int64."""
+def pad_prompts(
+    prompts: Sequence[Sequence[int]], device, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged prompts -> input_ids [b, t] int64 (padded with 0; t = width, default the longest prompt's
+    length) and lengths [b] int64."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("input_ids: expected a non-empty prompt per request")
-    t = max(len(p) for p in prompts)
+    longest = max(len(p) for p in prompts)
+    if width is not None and width < longest:
+        raise ValueError(f"width: expected >= the longest prompt ({longest}), got {width}")
+    t = longest if width is None else width
     ids = torch.zeros(len(prompts), t, dtype=torch.int64)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
