@@ -137,8 +137,9 @@ def pick_sequence(buckets, stepping_from: int | None = None):
 
 class HostPrefillGraphs:
     """engine.prefill.PrefillGraphs on the CPU: the same bookkeeping (a width captured once, after its
-    first eager prefill; static ids and lengths written before each replay), a replay that runs the
-    forward on the static inputs. `captures` counts captures (reset by the tests)."""
+    first eager prefill; static ids and lengths written before each replay; outputs whose tensors keep
+    their addresses, zeros until the first replay), a replay that runs the forward on the static inputs
+    and copies its outputs in. `captures` counts captures (reset by the tests)."""
 
     captures = 0
 
@@ -155,8 +156,15 @@ class HostPrefillGraphs:
 
 class _HostPrefill:
     def __init__(self, run, cache, ids, lens) -> None:
+        from kdtree_engine.model.model import ForwardOutput
+
         self.target, self.cache, self.ids, self.lens = run, cache, ids, lens
         self.replays = 0
+        cfg = run.target.config
+        b, t = ids.shape
+        logits = torch.zeros(b, 1, cfg.vocab_size)
+        hidden = torch.zeros(b, t, cfg.hidden_size * len(run.capture)) if run.capture else None
+        self.out = ForwardOutput(logits, hidden)
 
     def run(self, ids, lens):
         from kdtree_engine.engine.prefill import prefill_forward
@@ -164,4 +172,8 @@ class _HostPrefill:
         self.ids.copy_(ids)
         self.lens.copy_(lens)
         self.replays += 1
-        return prefill_forward(self.target, self.cache, self.ids, self.lens, validate=False)
+        out = prefill_forward(self.target, self.cache, self.ids, self.lens, validate=False)
+        self.out.logits.copy_(out.logits)
+        if self.out.hidden is not None:
+            self.out.hidden.copy_(out.hidden)
+        return self.out

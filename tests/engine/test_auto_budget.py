@@ -184,22 +184,24 @@ def test_a_call_given_to_steps_never_drafts(monkeypatch, pipelined):
 
 
 class _RecordedGraphs:
-    """A stand-in for loop._Graphs on the CPU: records the keys captured, runs each stage eagerly."""
+    """A stand-in for loop._Graphs on the CPU: records each stage captured with the function it ran
+    then, and replays that function (as a CUDA graph replays what it recorded, on the tensors it was
+    captured with), the stage's own before its capture."""
 
     def __init__(self) -> None:
-        self.graphs: dict[str, bool] = {}
+        self.graphs: dict[str, object] = {}
 
     def missing(self, order) -> bool:
         return any(st.capturable and st.key not in self.graphs for st in order)
 
     def capture(self, stages, order) -> None:
         for st in order:
-            if st.capturable:
-                self.graphs[st.key] = True
+            if st.capturable and st.key not in self.graphs:
+                self.graphs[st.key] = st.fn
         stages.frozen = True
 
     def run(self, stage) -> None:
-        stage.fn()
+        self.graphs.get(stage.key, stage.fn)()
 
 
 @pytest.mark.parametrize("pipelined", [False, True])

@@ -252,9 +252,9 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch):
 @pytest.mark.parametrize("budget", [8, "auto"])
 def test_a_runner_replays_its_prefill_graphs(budget):
     """A Runner's prefill is captured per padded width after its first prefill and replayed with each
-    later call's own prompts: calls of widths 16, 32, 16 commit plain greedy decoding's tokens, the
-    third captures nothing; a sampled Runner draws the same tokens from its eager and its replayed
-    prefill."""
+    later call's own prompts, and so is the first draft over its features: calls of widths 16, 32, 16
+    commit plain greedy decoding's tokens, the third captures nothing and runs no round eagerly; a
+    sampled Runner draws the same tokens from its eager and its replayed prefill."""
     from kdtree_engine.engine import Runner
 
     target, drafter = _models(torch.float32, seed=3)
@@ -270,6 +270,7 @@ def test_a_runner_replays_its_prefill_graphs(budget):
     for prompts, out in zip(calls, outs, strict=True):
         assert out.tokens == greedy_generate(target, prompts, 24)
     assert sorted(runner._prefills.graphs) == [16, 32] and outs[2].stats.capture_time == 0.0
+    assert "draft@prompts16" in runner._rounds.graphs.graphs and outs[2].stats.eager_rounds == 0
     sampled = GenerationConfig(
         max_new_tokens=24, budget=budget, seed=5, sampling=SamplingParams(temperature=1.0)
     )

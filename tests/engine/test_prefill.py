@@ -5,6 +5,7 @@ padding; the GPU twin is in test_gpu.py); one generate() call stays eager at the
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kdtree_engine.engine import GenerationConfig, Runner, generate, loop
 from kdtree_engine.engine.prefill import prefill_width
@@ -67,7 +68,35 @@ def test_a_runner_replays_the_prefill_of_each_width_after_its_first(stood_in, me
     graphs = runner._prefills.graphs
     assert sorted(graphs) == [16, 32] and graphs[16].replays == 1 and graphs[32].replays == 0
     assert graphs[16].ids[:, :9].tolist()[0] == calls[2][0]  # the replayed call's prompt, padded
-    assert outs[2].stats.capture_time == 0.0
+    assert outs[2].stats.capture_time == 0.0 and outs[2].stats.eager_rounds == 0
+    if method != "autoregressive":  # the first draft of width 16 captured after the first call
+        assert "draft@prompts16" in runner._rounds.graphs.graphs
+
+
+def test_a_replayed_first_draft_reads_the_calls_own_prompt_features(stood_in, monkeypatch):
+    """The first draft of a call whose prefill was replayed (its stage captured, bound to the prefill
+    graph's output) sees the same prompt features as a lone generate() call of those prompts."""
+    target, drafter = tiny_target(2), tiny_drafter(2, block_size=6)
+    seen = []
+    real = type(drafter).draft
+
+    def spy(self, target, context, context_lens, *args, **kw):
+        seen.append([context[i, :n].clone() for i, n in enumerate(context_lens.tolist())])
+        return real(self, target, context, context_lens, *args, **kw)
+
+    monkeypatch.setattr(type(drafter), "draft", spy)
+    vocab = target.config.vocab_size
+    calls = [random_prompts(6, [5, 11], vocab), random_prompts(7, [9, 2], vocab)]
+    config = GenerationConfig(max_new_tokens=8, budget=8)
+    runner = Runner(target, drafter, config, batch_size=2, prompt_len=16)
+    runner.generate(calls[0], stage_timing=False)
+    seen.clear()
+    runner.generate(calls[1], stage_timing=False)  # width 16 replayed, its first draft too
+    replayed = seen[0]
+    seen.clear()
+    generate(target, drafter, calls[1], config, stage_timing=False)
+    for got, want in zip(replayed, seen[0], strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_one_generate_call_prefills_eagerly_at_the_longest_prompt(stood_in, monkeypatch):

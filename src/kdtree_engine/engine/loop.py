@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -104,8 +104,10 @@ class _State:
     [B] bool: the request still runs; ctx [B, L + 1, F] / ctx_lens [B]: target features of the rows the
     last round committed, which the drafter has not seen yet (None for autoregressive; written by the
     first round's accept); prompt_ctx [B, T, F]: the prompts' features, read by the first draft of a call
-    instead of ctx, then None; committed [B, 1 + W]: what the last round committed per request, for the
-    host in one copy: the count n, then the n tokens (allocated by the first round)."""
+    instead of ctx, then None; prompt_static: prompt_ctx is a prefill graph's output (the same tensor in
+    every call of its width, so that the first draft can be captured too); committed [B, 1 + W]: what
+    the last round committed per request, for the host in one copy: the count n, then the n tokens
+    (allocated by the first round)."""
 
     cache: object
     dcache: object | None
@@ -116,6 +118,7 @@ class _State:
     ctx_lens: torch.Tensor | None = None
     committed: torch.Tensor | None = None
     prompt_ctx: torch.Tensor | None = None
+    prompt_static: bool = False
 
     def put(self, name: str, value: torch.Tensor) -> None:
         """Writes value into the tensor `name` in place (a new tensor the first time or on a new shape)."""
@@ -210,6 +213,7 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None,
         state.active.copy_(active)
         state.ctx_lens.copy_(lens)
     state.prompt_ctx = out.hidden
+    state.prompt_static = graph is not None
     return state
 
 
@@ -239,6 +243,7 @@ class _Stages:
         self.sums: dict[int, torch.Tensor] = {}
         self.topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
+        self.prompt_stages: dict[int, _Stage] = {}  # a call's first draft per prefill width (prompt_stage)
         device = state.start.device
         if not run.config.sampling.greedy and _use_graphs(run, device):
             # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
@@ -308,6 +313,26 @@ class _Stages:
         if s.prompt_ctx is None and run.config.auto_budget and not wide:
             ctx = ctx[:, : run.drafter.block_size]  # the rows of one round: the buffer's first L + 1
         s.prompt_ctx = None
+        self._put(
+            "draft_logits",
+            run.drafter.draft(run.target, ctx, s.ctx_lens, s.bonus, s.start, s.dcache, impl=run.impl),
+        )
+
+    def prompt_stage(self, ctx: torch.Tensor) -> _Stage:
+        """The first draft of a call whose prompts' features are a prefill graph's output `ctx` [B, T, F]
+        (the same tensor in every call of width T): a stage of its own per width, captured like the
+        others."""
+        stage = self.prompt_stages.get(ctx.shape[1])
+        if stage is None or stage.fn.args[0] is not ctx:
+            capturable = bool(getattr(self.run.drafter, "capturable", False))
+            fn = functools.partial(self.draft_from, ctx)
+            stage = _Stage("draft", fn, capturable, f"draft@prompts{ctx.shape[1]}")
+            self.prompt_stages[ctx.shape[1]] = stage
+        return stage
+
+    def draft_from(self, ctx: torch.Tensor) -> None:
+        """The drafter on the context features `ctx` (a call's first draft: the prompts')."""
+        run, s = self.run, self.s
         self._put(
             "draft_logits",
             run.drafter.draft(run.target, ctx, s.ctx_lens, s.bonus, s.start, s.dcache, impl=run.impl),
@@ -600,7 +625,8 @@ class _Rounds:
         if self.steps and bucket in self.stages.after_steps:
             order = self.stages.after_steps[bucket]
         self.steps = self.steps + 1 if bucket == 0 else 0
-        prompts = self.state.prompt_ctx is not None  # the first draft reads the prompts: eager
+        order = self._with_prompts(order)
+        prompts = self.state.prompt_ctx is not None  # the first draft reads fresh prompt features: eager
         captured = self.graphs is not None and not prompts and not self.graphs.missing(order)
         steady = captured or (self.eager and bucket in self.enqueued and not prompts)
         self.enqueued.add(bucket)
@@ -619,6 +645,16 @@ class _Rounds:
         self.host = self.host or _HostCopy(self.state)
         self.host.send(self.state)
         self.flight.append(entry)
+
+    def _with_prompts(self, order: list[_Stage]) -> list[_Stage]:
+        """A call's first round when its prompts' features are a prefill graph's output: its draft is
+        that width's prompt stage (replayed once captured), and the features are taken as read."""
+        s = self.state
+        if s.prompt_ctx is None or not s.prompt_static or order[0].name != "draft":
+            return order
+        stage = self.stages.prompt_stage(s.prompt_ctx)
+        s.prompt_ctx = None
+        return [stage, *order[1:]]
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest round's (tokens per request, counts); the auto budget's policy learns from it."""
@@ -665,14 +701,19 @@ class _Rounds:
         orders = [*st.orders.values(), *st.after_steps.values()]
         return orders + [st.plain_step] if st.plain_step else orders
 
-    def the_rest(self) -> list[list[_Stage]]:
+    def the_rest(self, prompt_ctxs: Sequence[torch.Tensor] = ()) -> list[list[_Stage]]:
         """After a call (every request done), the orders of stages not captured yet (run_and_capture
         each, and no later call of a Runner runs a round eagerly whichever bucket its policy picks, as
-        a serving engine captures every shape at startup). None while no speculative round has given
-        the drafter's context its per-round shape (a call given to steps from its start)."""
+        a serving engine captures every shape at startup), with a first round's draft for each prefill
+        graph's features in `prompt_ctxs`. None while no speculative round has given the drafter's
+        context its per-round shape (a call given to steps from its start)."""
         if self.run.reqs.running() or self.state.prompt_ctx is not None or self.state.ctx is None:
             return []
-        return [order for order in self.every_order() if self.uncaptured(order)]
+        orders = self.every_order()
+        drafting = next((o for o in orders if o[0].name == "draft"), None)
+        if drafting is not None:
+            orders += [[self.stages.prompt_stage(ctx), *drafting[1:]] for ctx in prompt_ctxs]
+        return [order for order in orders if self.uncaptured(order)]
 
     def run_and_capture(self, order: list[_Stage]) -> None:
         """Runs `order` once, eagerly (compiling its kernels), and captures it, every request done: the
@@ -737,10 +778,12 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
     return rounds
 
 
-def _capture_the_rest(run: _Run, rounds: _Rounds) -> None:
-    """After a Runner's call, each order of stages its rounds did not capture (_Rounds.the_rest), run
-    and captured; timed as a capture, in the call's capture time."""
-    for order in rounds.the_rest():
+def _capture_the_rest(run: _Run, rounds: _Rounds, prefills: PrefillGraphs | None) -> None:
+    """After a Runner's call, each order of stages its rounds did not capture (_Rounds.the_rest, with
+    the first draft of each prefill graph's width), run and captured; timed as a capture, in the call's
+    capture time."""
+    ctxs = [g.out.hidden for g in prefills.graphs.values() if g.out.hidden is not None] if prefills else []
+    for order in rounds.the_rest(ctxs):
         t0 = run.timer.now()  # a device sync: only around a capture
         rounds.run_and_capture(order)
         run.stats.cuda_graphs = True
@@ -859,7 +902,7 @@ class Runner:
             timer.collect()
             self._rounds = _decode(run, self._state, self.device, self._rounds)
             if not last and _use_graphs(run, self.device):
-                _capture_the_rest(run, self._rounds)
+                _capture_the_rest(run, self._rounds, self._prefills)
         if self._rounds.policy is not None:
             stats.budget_report = self._rounds.policy.report()
         stats.wall_time = timer.now() - t0
