@@ -60,9 +60,14 @@ class PrefillGraphs:
 
     def capture(self, run, cache, ids: torch.Tensor, lens: torch.Tensor) -> None:
         """Captures the prefill of ids' width (after an eager prefill of that width: kernels compiled)
-        on static copies of ids and lens. Recording runs nothing: the cache is not written."""
+        on static copies of ids and lens. Recording runs nothing: the cache is not written, and the
+        outputs hold zeros until the first replay (the first draft's stage is captured over them after
+        the call, before any replay)."""
         ids, lens = ids.clone(), lens.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = prefill_forward(run, cache, ids, lens, validate=False)
+        for t in (out.logits, out.hidden):  # defined until the first replay (a draft may read them)
+            if t is not None:
+                t.zero_()
         self.graphs[ids.shape[1]] = _PrefillGraph(graph, ids, lens, out)
