@@ -15,6 +15,7 @@
 # as out/kimi_bench.json (KIMI_JSON overrides). "flashmla" installs the FlashMLA wheel carried in .whl/ and runs
 # bench attention against it on 64-row pages (issue 29). "tune-attention" runs the GPU tests of the kernels whose launches
 # changed after the sm_90 compile audit (docs/notes/kernels.md), then scripts/tune_triton_attention.py.
+# "engine" runs the engine's GPU tests, then the auto budget's kimi-nano grid (one call).
 # "auto" runs the auto budget's grid on kimi-nano (issue 28) and the host's steps per round with the timed call's timeline; "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
@@ -134,6 +135,17 @@ if [ "$what" = auto ]; then
   timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch ${HOST_BATCH:-4 16} --budgets 64 auto \
     --temperature ${HOST_TEMP:-0} --timeline 2>&1 \
     | tee "$R/round_host_time.log" || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = engine ]; then
+  # the engine's GPU tests (captured rounds, prefill and first-draft graphs, the auto budget's buckets
+  # with the chain), then the auto budget's kimi-nano grid (issues 27 and 28) in one device call
+  timeout "${T_ENG:-150}" python3 -m pytest -q -m gpu tests/engine -p no:cacheprovider -rs --durations=5 2>&1 \
+    | tee "$R/engine_tests.log" | tail -20 || status=1
+  timeout "${T_AUTO:-420}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
+    --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" | tail -40 \
+    || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
