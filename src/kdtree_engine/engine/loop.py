@@ -251,7 +251,7 @@ class _Stages:
             self.keys = table.to(device)
             self.draw = torch.tensor([run.draws], device=device)
         accept = run.config.sampling.greedy or self.keys is not None  # capturable
-        drafter = bool(getattr(run.drafter, "capturable", False))
+        drafter = self.drafter_capturable = bool(getattr(run.drafter, "capturable", False))
         auto = run.config.auto_budget
         chain_nodes = run.drafter.block_size - 1 if auto else None
         self.buckets = auto_buckets(chain_nodes) if auto else (run.budget,)
@@ -313,10 +313,7 @@ class _Stages:
         if s.prompt_ctx is None and run.config.auto_budget and not wide:
             ctx = ctx[:, : run.drafter.block_size]  # the rows of one round: the buffer's first L + 1
         s.prompt_ctx = None
-        self._put(
-            "draft_logits",
-            run.drafter.draft(run.target, ctx, s.ctx_lens, s.bonus, s.start, s.dcache, impl=run.impl),
-        )
+        self.draft_from(ctx)
 
     def prompt_stage(self, ctx: torch.Tensor) -> _Stage:
         """The first draft of a call whose prompts' features are a prefill graph's output `ctx` [B, T, F]
@@ -324,9 +321,8 @@ class _Stages:
         others."""
         stage = self.prompt_stages.get(ctx.shape[1])
         if stage is None or stage.fn.args[0] is not ctx:
-            capturable = bool(getattr(self.run.drafter, "capturable", False))
             fn = functools.partial(self.draft_from, ctx)
-            stage = _Stage("draft", fn, capturable, f"draft@prompts{ctx.shape[1]}")
+            stage = _Stage("draft", fn, self.drafter_capturable, f"draft@prompts{ctx.shape[1]}")
             self.prompt_stages[ctx.shape[1]] = stage
         return stage
 
@@ -872,9 +868,10 @@ class Runner:
     def generate(
         self, prompts, *, on_tokens: OnTokens | None = None, stage_timing: bool = True, tokenizer=None
     ) -> GenerationOutput:
-        """One call: as the module's generate() with this Runner's target, drafter and config. With the
-        auto budget and CUDA graphs, the call also captures the rounds its policy did not pick yet
-        (once; counted in stats.capture_time), so that no later call runs a round eagerly."""
+        """One call: as the module's generate() with this Runner's target, drafter and config. With CUDA
+        graphs, the call also captures what later calls may replay and it did not (the prefill of its
+        width, the first draft over it, the auto budget's rounds its policy did not pick; once, counted
+        in stats.capture_time), so that no later call runs a round eagerly."""
         return self._call(prompts, on_tokens, stage_timing, tokenizer, last=False)
 
     def _call(self, prompts, on_tokens, stage_timing: bool, tokenizer, last: bool) -> GenerationOutput:
