@@ -102,8 +102,8 @@ def timed_run(target, drafter, prompts, config, calls: int = TIMED_CALLS):
     first round (its first draft eager), as a serving engine that captured its graphs at startup; the
     prefill is in their time. Timing every stage records two events per stage and reads them back each
     round, which slows the pipelined rounds (engine.loop), so tokens/s come from the untimed calls; the
-    median of several keeps one slow call (a prefill or host hiccup of a few ms in a call of 50-100 ms)
-    from deciding a setting's figure."""
+    median of several keeps one slow call (a prefill or host hiccup) from deciding a setting's figure
+    (docs/engine.md, "Benchmark")."""
     from kdtree_engine.engine import Runner
 
     runner = Runner(target, drafter, config, batch_size=len(prompts), prompt_len=max(len(p) for p in prompts))
