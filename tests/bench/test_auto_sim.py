@@ -26,12 +26,14 @@ def test_a_larger_tree_never_accepts_less_on_the_same_round(seed):
     for n in AUTO_BUCKETS:
         rng = np.random.default_rng(seed)
         reqs = auto_sim._new_requests(sc, rng)
-        got, sums = auto_sim._round(sc, reqs, n, rng) if n else (None, None)
+        got, sums, would = auto_sim._round(sc, reqs, n, rng)
         if n == 0:
-            got, sums = auto_sim._round(sc, reqs, 0, rng)
-            assert got.tolist() == [1] * sc.batch and np.isnan(sums).all()
+            assert got.tolist() == [1] * sc.batch and np.isnan(sums).all() and np.isnan(would).all()
             continue
         counts.append(got)
+        # what each smaller tree would have committed is what its own round commits on the same round
+        for j, earlier in enumerate(counts):
+            assert would[:, j + 1].tolist() == earlier.tolist()
         built = [k for k in AUTO_BUCKETS if k <= n]
         assert not np.isnan(sums[:, : len(built)]).any() and np.isnan(sums[:, len(built) :]).all()
         assert (np.diff(sums[:, 1 : len(built)], axis=1) >= 0).all()  # S grows with the bucket

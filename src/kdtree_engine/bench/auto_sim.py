@@ -121,49 +121,54 @@ def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
     return reqs
 
 
-def _trace_round(sc: Scenario, reqs: _Requests, n: int) -> tuple[np.ndarray, np.ndarray]:
+def _trace_round(sc: Scenario, reqs: _Requests, n: int) -> tuple[np.ndarray, ...]:
     """_round from the traces: each request's recorded round at its text position."""
     j = AUTO_BUCKETS.index(n)
     counts = np.ones(sc.batch, dtype=np.int64)
     sums = np.full((sc.batch, len(AUTO_BUCKETS)), np.nan)
+    would = np.full((sc.batch, len(AUTO_BUCKETS)), np.nan)
     for b in range(sc.batch):
         trace = sc.traces[reqs.trace[b]]
         r = trace.at(int(reqs.offset[b] + reqs.committed[b] - 1))
         counts[b] = trace.counts[r, j]
         if n:
             sums[b, : j + 1] = trace.sums[r, : j + 1]
-    return counts, sums
+            would[b, 1 : j + 1] = trace.counts[r, 1 : j + 1]
+    return counts, sums, would
 
 
 def _step_acceptance(logit: np.ndarray, n: int) -> np.ndarray:
     return 1.0 - (1.0 - 1.0 / (1.0 + np.exp(-logit))) * WIDTH[n]
 
 
-def _round(sc: Scenario, reqs: _Requests, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """One round of bucket n for every request: (committed tokens [B], sums [B, buckets], NaN past n).
+def _round(sc: Scenario, reqs: _Requests, n: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """One round of bucket n for every request: (committed tokens [B], sums [B, buckets], NaN past n,
+    and what each tree bucket k <= n would have committed on the same round, NaN elsewhere).
     Advances the difficulties."""
     if sc.traces:
         return _trace_round(sc, reqs, n)
     b = sc.batch
     buckets = AUTO_BUCKETS
     sums = np.full((b, len(buckets)), np.nan)
+    would = np.full((b, len(buckets)), np.nan)
     if n == 0:
         counts = np.ones(b, dtype=np.int64)
     else:
         logit = reqs.skill + reqs.difficulty
         view = logit + rng.normal(0.0, sc.draft_noise, b)
-        u = rng.random((b, max(DEPTH.values())))[:, : DEPTH[n]]  # the same uniforms for every bucket
-        steps = u < _step_acceptance(logit, n)[:, None]
-        counts = 1 + np.cumprod(steps, axis=1).sum(axis=1)
+        u = rng.random((b, max(DEPTH.values())))  # the same uniforms for every bucket
         for j, k in enumerate(buckets):
             if k == 0:
                 sums[:, j] = 0.0
             elif k <= n:
                 a = _step_acceptance(view, k)
                 sums[:, j] = sum(a**d for d in range(1, DEPTH[k] + 1))
+                steps = u[:, : DEPTH[k]] < _step_acceptance(logit, k)[:, None]
+                would[:, j] = 1 + np.cumprod(steps, axis=1).sum(axis=1)
+        counts = would[:, buckets.index(n)].astype(np.int64)
     shock = rng.normal(0.0, sc.round_noise * np.sqrt(1.0 - sc.persistence**2), b)
     reqs.difficulty = sc.persistence * reqs.difficulty + shock
-    return counts, sums
+    return counts, sums, would
 
 
 def _cost(sc: Scenario, n: int, rng: np.random.Generator) -> float:
@@ -171,7 +176,7 @@ def _cost(sc: Scenario, n: int, rng: np.random.Generator) -> float:
 
 
 def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy | None = None,
-             static: bool = True) -> dict:  # fmt: skip
+             static: bool = True, counterfactual: bool = True) -> dict:  # fmt: skip
     """One static call: every request decodes sc.tokens tokens (the prefill's first one included).
     bucket: a fixed bucket (0: plain autoregressive decoding), or None for the policy's choice. Returns
     the call's seconds, rounds and the buckets picked. Rounds are pipelined as on CUDA: the pick of
@@ -204,12 +209,13 @@ def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy |
             flight.append(pick())
         n = flight.popleft()
         rows = np.flatnonzero(running())
-        counts, sums = _round(sc, reqs, n, rng)
+        counts, sums, would = _round(sc, reqs, n, rng)
         cost = _cost(sc, n, rng)
         seconds += cost
         picks.append(n)
         if policy is not None:
-            policy.observe(n, cost, rows, counts, sums if n else None)
+            told = would if n and counterfactual else None
+            policy.observe(n, cost, rows, counts, sums if n else None, told)
         reqs.committed = np.minimum(reqs.committed + np.where(running(), counts, 0), sc.tokens)
     if policy is not None and flight:  # the round enqueued past the end: its device time is spent
         seconds += _cost(sc, flight.popleft(), rng)
@@ -251,7 +257,8 @@ def trace_scenarios(path) -> tuple[Scenario, ...]:
     return tuple(out)
 
 
-def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -> dict:
+def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True,
+            counterfactual: bool = True) -> dict:  # fmt: skip
     """Tokens per second of autoregressive decoding, every fixed bucket and auto on the same requests:
     per setting, `seeds` groups of `calls` calls on one policy (as a Runner keeps its costs and
     calibration), the last call of each group timed."""
@@ -265,7 +272,7 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -
         policy = BudgetPolicy(AUTO_BUCKETS, STEP_ROUNDS * BLOCK)
         for c in range(calls):
             policy.new_call()
-            out = run_call(sc, 1000 * s + c, None, policy, static)
+            out = run_call(sc, 1000 * s + c, None, policy, static, counterfactual)
         t += out["seconds"]
         picks += out["picks"]
     rates["auto"] = seeds * total / t

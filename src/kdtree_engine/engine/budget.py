@@ -151,6 +151,25 @@ def round_sums(probs: torch.Tensor, top_logprobs: torch.Tensor, buckets: Sequenc
     return torch.stack(columns, dim=1)
 
 
+def would_commit(accepted: torch.Tensor, buckets: Sequence[int], n: int, chain: int | None) -> torch.Tensor:
+    """What a round of bucket n tells of the tokens each smaller tree would have committed on the same
+    round ([B, len(buckets)] float32, NaN where it tells nothing). accepted [B, L + 1]: the accepted
+    node indices of its tree (the root 0 first, -1 padded). A best-first tree of k nodes is the first k
+    nodes of the tree of n >= k, and node indices grow along a path, so the tree of k accepts exactly
+    the accepted nodes of index <= k (greedy, and sampled with the walk's shared draws): it commits 1 +
+    their count. The chain's round tells its own count only; a tree round tells nothing of the chain
+    (its nodes need not be in the tree). Device ops only."""
+    nodes = accepted[:, 1:]
+    nan = nodes.new_full((nodes.shape[0],), float("nan"), dtype=torch.float32)
+    columns = []
+    for k in buckets:
+        if k == n or (k != chain and 0 < k < n and n != chain):
+            columns.append(1.0 + ((nodes > 0) & (nodes <= k)).sum(dim=1).float())
+        else:
+            columns.append(nan)
+    return torch.stack(columns, dim=1)
+
+
 def _maximum(x: float, y: float) -> float:
     """np.maximum of two Python floats: the first when not smaller, NaN when either is NaN."""
     return x if x >= y or x != x else y
@@ -398,12 +417,13 @@ def steady_rate(at_levels: Sequence[float], costs: Sequence[float]) -> float:
 
 @dataclass
 class _Choice:
-    """What the choice of one enqueued round saw: the running request rows, their S at every bucket
-    (aged), and the E each expected at the bucket chosen."""
+    """What the choice of one enqueued round saw: the running request rows, their S at the bucket
+    chosen and at every bucket (aged), and the E each expected at the bucket chosen."""
 
     rows: np.ndarray
     seen: np.ndarray
     expected: np.ndarray
+    seen_all: np.ndarray  # [rows, buckets]
 
 
 @dataclass
@@ -498,7 +518,7 @@ class BudgetPolicy:
             rate = self._steady_rate(rows.size)
             picked = choose([expected[j] for j in allowed], [costs[j] for j in allowed], rate)
             j = allowed[picked]
-        self.pending.append(_Choice(rows, seen[:, j], per_row[:, j]))
+        self.pending.append(_Choice(rows, seen[:, j], per_row[:, j], seen))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
@@ -545,11 +565,16 @@ class BudgetPolicy:
         return self.call_test.decide(seconds, self.buckets.index(0), most)
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
-                sums: np.ndarray | Sequence[Sequence[float]] | None) -> None:  # fmt: skip
+                sums: np.ndarray | Sequence[Sequence[float]] | None,
+                would: np.ndarray | Sequence[Sequence[float]] | None = None) -> None:  # fmt: skip
         """One round read (the oldest picked): its bucket, its measured seconds (None: not
-        representative, e.g. eager), the request rows that were running, their committed counts, and
-        the round's sums per request row ([rows of the batch, buckets]; None for an autoregressive
-        round)."""
+        representative, e.g. eager), the request rows that were running, their committed counts, the
+        round's sums per request row ([rows of the batch, buckets]; None for an autoregressive round)
+        and what each smaller tree would have committed on it (would_commit, same shape; None: not
+        told). Each smaller tree's counts are fitted as if it had run: every bucket is then judged on
+        the same rounds as the larger ones, not only on the rounds it was chosen for (which the
+        choice picks by how the draft looks, so that a bucket picked for hard rounds would look worse
+        than it is)."""
         choice = self.pending.popleft() if self.pending else None
         if seconds is not None:
             self.costs.observe(bucket, seconds)
@@ -569,6 +594,8 @@ class BudgetPolicy:
             ybar, variance = cal.long_run_values()  # before this round is added
             self.paces.observe(choice.rows, got, ybar[j], variance[j])
             cal.observe_choices(j, choice.seen, got, choice.expected)
+            if would is not None:
+                self._observe_smaller(j, choice, np.asarray(would, dtype=np.float64), sums_of=sums)
             expected = float(choice.expected.sum())
         else:
             expected = float(len(rows))
@@ -581,6 +608,19 @@ class BudgetPolicy:
         self._rows(int(rows.max()) + 1 if rows.size else 0)
         self.sums[rows], self.age[rows] = own, 0
 
+    def _observe_smaller(self, j: int, choice: _Choice, would: np.ndarray, sums_of) -> None:
+        """The counts the smaller trees would have committed on the round read (bucket index j), fitted
+        as rounds of theirs: on the S their choice saw, and against their own S of this draft."""
+        cal = self.calibration
+        own = np.asarray(sums_of, dtype=np.float64)[choice.rows]
+        told = would[choice.rows]
+        for i in range(len(self.buckets)):
+            if i == j or self.buckets[i] == 0 or np.isnan(told[:, i]).any() or np.isnan(own[:, i]).any():
+                continue
+            accepted = told[:, i] - 1.0
+            cal.observe_choices(i, choice.seen_all[:, i], accepted)
+            cal.observe(i, accepted, own[:, i])
+
     @staticmethod
     def _still_running(choice: _Choice, rows: np.ndarray) -> _Choice:
         """The part of a choice (in its order) whose rows ran in the round read (`rows`: that round's
@@ -588,7 +628,7 @@ class BudgetPolicy:
         running = np.zeros(max(int(choice.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, bool)
         running[rows] = True
         same = running[choice.rows]
-        return _Choice(choice.rows[same], choice.seen[same], choice.expected[same])
+        return _Choice(choice.rows[same], choice.seen[same], choice.expected[same], choice.seen_all[same])
 
     def report(self) -> dict[int, dict[str, float]]:
         """Per bucket, over this call: rounds read, mean tokens per request predicted (uncalibrated:

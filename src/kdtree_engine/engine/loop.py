@@ -44,6 +44,7 @@ from kdtree_engine.engine.budget import (
     auto_buckets,
     path_probabilities,
     round_sums,
+    would_commit,
 )
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
@@ -401,21 +402,28 @@ class _Stages:
         s.ctx_lens.copy_(count)
         tokens = torch.cat([ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
         tokens.scatter_(1, (count - 1).clamp(min=0)[:, None], acc.bonus[:, None])
-        self._commit(count, tokens, self.sums.get(n))
+        would = None
+        if self.run.config.auto_budget:
+            would = would_commit(acc.accepted, self.buckets, n, self.chain)
+        self._commit(count, tokens, self.sums.get(n), would)
         s.bonus.copy_(torch.where(s.active, acc.bonus, s.bonus))
         s.start.add_(count)
 
-    def _commit(self, count: torch.Tensor, tokens: torch.Tensor, sums: torch.Tensor | None) -> None:
+    def _commit(self, count: torch.Tensor, tokens: torch.Tensor, sums: torch.Tensor | None,
+                would: torch.Tensor | None = None) -> None:  # fmt: skip
         """The round's one tensor for the host: count, tokens, and with the auto budget the L + 1 token
-        slots padded and the bucket sums (float64 bits; NaN for a round without a draft)."""
+        slots padded, the bucket sums and the counts each smaller tree would have committed
+        (engine.budget.would_commit; float64 bits; NaN for a round without a draft)."""
         s = self.s
         if not self.run.config.auto_budget:
             s.put("committed", torch.cat([count[:, None], tokens], dim=1))
             return
         width = self.run.drafter.block_size  # L + 1 token slots
         pad = tokens.new_zeros(tokens.shape[0], width - tokens.shape[1])
-        if sums is None or tokens.shape[1] == 1:
-            sums = torch.full((tokens.shape[0], len(self.buckets)), float("nan"), device=tokens.device)
+        if sums is None or would is None or tokens.shape[1] == 1:
+            sums = torch.full((tokens.shape[0], 2 * len(self.buckets)), float("nan"), device=tokens.device)
+        else:
+            sums = torch.cat([sums, would], dim=1)
         bits = sums.double().view(torch.int64)
         s.put("committed", torch.cat([count[:, None], tokens, pad, bits], dim=1))
 
@@ -655,14 +663,15 @@ class _Rounds:
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest round's (tokens per request, counts); the auto budget's policy learns from it."""
         entry = self.flight.pop(0)
-        sums = len(self.stages.buckets) if self.policy is not None else 0
-        tokens, counts, floats = self.host.read(sums)
+        buckets = len(self.stages.buckets)
+        tokens, counts, floats = self.host.read(2 * buckets if self.policy is not None else 0)
         if self.policy is not None:
             seconds, self.last_read = self._cost(entry), time.perf_counter()
             rows = np.flatnonzero(self.run.reqs.active)
             j = self.stages.buckets.index(entry.bucket)
             spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0, j])
-            self.policy.observe(entry.bucket, seconds, rows, counts, floats if spec else None)
+            sums, would = (floats[:, :buckets], floats[:, buckets:]) if spec else (None, None)
+            self.policy.observe(entry.bucket, seconds, rows, counts, sums, would)
             self.run.stats.budgets.append(entry.bucket)
             self.run.stats.round_seconds.append(float("nan") if seconds is None else seconds)
         return tokens, counts
