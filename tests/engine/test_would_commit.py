@@ -77,3 +77,40 @@ def test_the_policy_fits_the_smaller_trees_on_the_rounds_of_a_larger_one():
             assert ratio == pytest.approx(3.0 / 2.0)  # (4 - 1) accepted over S 2.0
     assert fitted[0] == {0: 0, 4: 2, 8: 2, 15: 0, 16: 2, 32: 2, 64: 0}
     assert fitted[1] == {0: 0, 4: 0, 8: 0, 15: 0, 16: 0, 32: 2, 64: 0}
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_engine_hands_the_policy_each_rounds_counts_at_the_smaller_trees(monkeypatch, pipelined):
+    """In a real auto run every speculative round read hands the policy, per running request, its own
+    count at the bucket it ran, a count at each smaller tree bucket (never more than its own, never
+    less than 1) and NaN at the chain (unless it ran) and at the larger buckets; the sums beside them."""
+    from kdtree_engine.engine import GenerationConfig, Runner, loop
+    from tests.engine.helpers import pick_sequence, random_prompts, tiny_drafter, tiny_target
+
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
+    monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([64, 32, 7, 16, 8, 4, 0]))
+    seen = []
+    real_observe = BudgetPolicy.observe
+
+    def observe(self, bucket, seconds, rows, counts, sums, would=None):
+        seen.append((bucket, np.asarray(rows), np.asarray(counts), sums, would))
+        return real_observe(self, bucket, seconds, rows, counts, sums, would)
+
+    monkeypatch.setattr(BudgetPolicy, "observe", observe)
+    target, drafter = tiny_target(3), tiny_drafter(3, block_size=8)  # the chain is bucket 7
+    buckets = auto_buckets(7)
+    prompts = random_prompts(4, [6, 11, 3], target.config.vocab_size)
+    Runner(target, drafter, GenerationConfig(max_new_tokens=40, budget="auto"), batch_size=3,
+           prompt_len=11).generate(prompts)  # fmt: skip
+    speculative = [s for s in seen if s[0] > 0]
+    assert {s[0] for s in speculative} == {64, 32, 7, 16, 8, 4}
+    for bucket, rows, counts, sums, would in speculative:
+        j = buckets.index(bucket)
+        told = would[rows]
+        assert told[:, j].tolist() == counts[rows].astype(float).tolist()
+        for i, k in enumerate(buckets):
+            if k == 0 or k > bucket or (7 in (k, bucket) and k != bucket):
+                assert np.isnan(told[:, i]).all()
+            else:
+                assert ((told[:, i] >= 1) & (told[:, i] <= told[:, j])).all()
+                assert not np.isnan(sums[rows][:, i]).any()
