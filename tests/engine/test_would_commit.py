@@ -114,3 +114,24 @@ def test_the_engine_hands_the_policy_each_rounds_counts_at_the_smaller_trees(mon
             else:
                 assert ((told[:, i] >= 1) & (told[:, i] <= told[:, j])).all()
                 assert not np.isnan(sums[rows][:, i]).any()
+
+
+def test_observe_nested_is_observe_choices_and_observe_per_column_against_the_fit_before():
+    from kdtree_engine.engine.budget import Calibration
+
+    rng = np.random.default_rng(2)
+    seen, accepted, own = (rng.uniform(0.0, 5.0, (6, 3)) for _ in range(3))
+    columns = np.array([1, 2, 4])
+    once, each = Calibration(BUCKETS), Calibration(BUCKETS)
+    before = rng.uniform(0.0, 5.0, (2, 6))
+    for cal in (once, each):  # an earlier round of bucket 16, so the fit is not the prior's alone
+        cal.observe_choices(4, before[0], before[1])
+        cal.observe(4, np.full(6, 2.0), np.full(6, 3.0))
+    once.observe_nested(columns, seen, accepted, own)
+    a, b = each.expected_coefficients()
+    for c, j in enumerate(columns):
+        expected = np.maximum(1.0, a[j] + b[j] * seen[:, c])
+        each.observe_choices(j, seen[:, c], accepted[:, c], expected)
+        each.observe(j, accepted[:, c], own[:, c])
+    for name in ("n", "sx", "sy", "sxx", "sxy", "misses", "accepted", "predicted"):
+        assert getattr(once, name) == pytest.approx(getattr(each, name)), name

@@ -237,6 +237,24 @@ class Calibration:
         self.misses[j] += ((accepted + 1.0 - expected) ** 2).sum()
         self._coefficients = self._long_run = None
 
+    def observe_nested(self, columns: np.ndarray, seen: np.ndarray, accepted: np.ndarray,
+                       predicted: np.ndarray) -> None:  # fmt: skip
+        """observe_choices and observe of the bucket indices `columns` at once, for a round that ran a
+        larger tree ([requests, columns] each: the S the choice saw, the drafted tokens each would have
+        accepted, its own S of this draft); every column's misses against the fit as it stood before
+        the round."""
+        a, b = self.expected_coefficients()
+        expected = np.maximum(1.0, a[columns] + b[columns] * seen)
+        self.n[columns] += seen.shape[0]
+        self.sx[columns] += seen.sum(axis=0)
+        self.sy[columns] += accepted.sum(axis=0)
+        self.sxx[columns] += (seen * seen).sum(axis=0)
+        self.sxy[columns] += (seen * accepted).sum(axis=0)
+        self.misses[columns] += ((accepted + 1.0 - expected) ** 2).sum(axis=0)
+        self.accepted[columns] += accepted.sum(axis=0)
+        self.predicted[columns] += predicted.sum(axis=0)
+        self._coefficients = self._long_run = None
+
     def ratio(self, j: int) -> float:
         """r_n of bucket index j: accepted / predicted of this bucket, else of the nearest bucket with
         a prediction (the smaller of two as near), else 1 (a calibrated drafter)."""
@@ -457,6 +475,7 @@ class BudgetPolicy:
         self.costs = CostTable(self.buckets)
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
+        self._sizes = np.asarray(self.buckets)
         self.new_call()
 
     def new_call(self) -> None:
@@ -610,16 +629,17 @@ class BudgetPolicy:
 
     def _observe_smaller(self, j: int, choice: _Choice, would: np.ndarray, sums_of) -> None:
         """The counts the smaller trees would have committed on the round read (bucket index j), fitted
-        as rounds of theirs: on the S their choice saw, and against their own S of this draft."""
-        cal = self.calibration
+        as rounds of theirs (Calibration.observe_nested): on the S their choice saw, and against their
+        own S of this draft."""
         own = np.asarray(sums_of, dtype=np.float64)[choice.rows]
         told = would[choice.rows]
-        for i in range(len(self.buckets)):
-            if i == j or self.buckets[i] == 0 or np.isnan(told[:, i]).any() or np.isnan(own[:, i]).any():
-                continue
-            accepted = told[:, i] - 1.0
-            cal.observe_choices(i, choice.seen_all[:, i], accepted)
-            cal.observe(i, accepted, own[:, i])
+        known = ~(np.isnan(told).any(axis=0) | np.isnan(own).any(axis=0))
+        known[j] = False
+        known &= self._sizes > 0
+        if known.any():
+            columns = np.flatnonzero(known)
+            self.calibration.observe_nested(columns, choice.seen_all[:, columns], told[:, columns] - 1.0,
+                                            own[:, columns])  # fmt: skip
 
     @staticmethod
     def _still_running(choice: _Choice, rows: np.ndarray) -> _Choice:
