@@ -1,6 +1,7 @@
 """The host's own work per decoding round, without a model: the engine loop's host steps (the copy
-read, the commit of the round's tokens to the requests, and with the auto budget the policy's observe
-and pick) driven with synthetic rounds of random committed counts and tokens, timed in a tight loop.
+read, the commit of the round's tokens to the requests, and with the auto budget the policy's observe,
+the smaller trees' counts included, and pick) driven with synthetic rounds of random committed counts
+and tokens, timed in a tight loop.
 
 On a GPU machine the host does nothing else between rounds but replay graphs, so these steps' cost is
 what it adds to a round when the host is the bottleneck (`scripts/round_host_time.py` measures them
@@ -34,7 +35,8 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: in
     call's test runs, every bucket's cost measured before the first timed round, as after a Runner's
     first call)."""
     rng = np.random.default_rng(seed)
-    sums = len(AUTO_BUCKETS) if auto else 0
+    nb = len(AUTO_BUCKETS)
+    sums = 2 * nb if auto else 0  # the bucket sums, then the counts each smaller tree would have committed
     committed = torch.zeros(batch, 1 + slots + sums, dtype=torch.int64)
     state = SimpleNamespace(committed=committed, active=torch.ones(batch, dtype=torch.bool))
     stats = GenerationStats(method="ddtree", batch_size=batch)
@@ -56,8 +58,10 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: in
             counts = rng.integers(1, 4, batch)
             committed[:, 0] = torch.from_numpy(counts)
             committed[:, 1 : 1 + slots] = torch.from_numpy(rng.integers(1, 1000, (batch, slots)))
-            if auto:
-                floats = rng.random((batch, sums)) * 3
+            if auto:  # every tree bucket told (the round is bucket 64's), no count above the round's own
+                would = np.minimum(counts[:, None], rng.integers(1, 4, (batch, nb))).astype(np.float64)
+                would[:, AUTO_BUCKETS.index(0)] = np.nan
+                floats = np.concatenate([rng.random((batch, nb)) * 3, would], axis=1)
                 committed[:, 1 + slots :] = torch.from_numpy(floats).view(torch.int64)
             host.send(state)
             t0 = time.perf_counter()
@@ -65,7 +69,8 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: in
             t1 = time.perf_counter()
             if policy is not None and not first:
                 rows = np.flatnonzero(np.asarray(run.reqs.active))
-                policy.observe(bucket, 1e-3 * (1 + bucket / 64), rows, counts, floats if bucket else None)
+                told = (floats[:, :nb], floats[:, nb:]) if bucket else (None, None)
+                policy.observe(bucket, 1e-3 * (1 + bucket / 64), rows, counts, *told)
             t2 = time.perf_counter()
             loop._commit(run, state, tokens, counts)
             t3 = time.perf_counter()

@@ -127,8 +127,8 @@ def test_observe_nested_is_observe_choices_and_observe_per_column_against_the_fi
     for cal in (once, each):  # an earlier round of bucket 16, so the fit is not the prior's alone
         cal.observe_choices(4, before[0], before[1])
         cal.observe(4, np.full(6, 2.0), np.full(6, 3.0))
-    once.observe_nested(columns, seen, accepted, own)
     a, b = each.expected_coefficients()
+    once.observe_nested(columns, seen, accepted, own, once.expected_coefficients())
     for c, j in enumerate(columns):
         expected = np.maximum(1.0, a[j] + b[j] * seen[:, c])
         each.observe_choices(j, seen[:, c], accepted[:, c], expected)

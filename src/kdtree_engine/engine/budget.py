@@ -195,9 +195,11 @@ class Calibration:
 
     def __post_init__(self) -> None:
         k = len(self.buckets)
-        self.accepted, self.predicted = np.zeros(k), np.zeros(k)
+        # the running sums per bucket, rows of one array (observe_nested adds to all at once): pairs n,
+        # sums of x, y, x x, x y, the squared misses, and the accepted and predicted of the ratio r_n
+        self.sums = np.zeros((8, k))
+        self.n, self.sx, self.sy, self.sxx, self.sxy, self.misses, self.accepted, self.predicted = self.sums
         self.level_sums, self.drafts = np.zeros(k), np.zeros(k)
-        self.n, self.sx, self.sy, self.sxx, self.sxy, self.misses = (np.zeros(k) for _ in range(6))
         # kept results, as arrays and as lists: the coefficients and the long run until the next
         # observation, the levels (with their unknown mask) until the next draft read
         self._coefficients: tuple[Pair, tuple[list[float], list[float]]] | None = None
@@ -238,21 +240,16 @@ class Calibration:
         self._coefficients = self._long_run = None
 
     def observe_nested(self, columns: np.ndarray, seen: np.ndarray, accepted: np.ndarray,
-                       predicted: np.ndarray) -> None:  # fmt: skip
+                       predicted: np.ndarray, coefficients: Pair) -> None:  # fmt: skip
         """observe_choices and observe of the bucket indices `columns` at once, for a round that ran a
         larger tree ([requests, columns] each: the S the choice saw, the drafted tokens each would have
-        accepted, its own S of this draft); every column's misses against the fit as it stood before
-        the round."""
-        a, b = self.expected_coefficients()
-        expected = np.maximum(1.0, a[columns] + b[columns] * seen)
-        self.n[columns] += seen.shape[0]
-        self.sx[columns] += seen.sum(axis=0)
-        self.sy[columns] += accepted.sum(axis=0)
-        self.sxx[columns] += (seen * seen).sum(axis=0)
-        self.sxy[columns] += (seen * accepted).sum(axis=0)
-        self.misses[columns] += ((accepted + 1.0 - expected) ** 2).sum(axis=0)
-        self.accepted[columns] += accepted.sum(axis=0)
-        self.predicted[columns] += predicted.sum(axis=0)
+        accepted, its own S of this draft); the misses against `coefficients`, the fit (a, b) as it
+        stood before the round."""
+        a, b = coefficients
+        miss = accepted + 1.0 - np.maximum(1.0, a[columns] + b[columns] * seen)
+        terms = np.stack([np.ones_like(seen), seen, accepted, seen * seen, seen * accepted, miss * miss,
+                          accepted, predicted])  # fmt: skip
+        self.sums[:, columns] += terms.sum(axis=1)
         self._coefficients = self._long_run = None
 
     def ratio(self, j: int) -> float:
@@ -475,8 +472,16 @@ class BudgetPolicy:
         self.costs = CostTable(self.buckets)
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
-        self._sizes = np.asarray(self.buckets)
+        self._nested = [self._told_by(n) for n in self.buckets]
         self.new_call()
+
+    def _told_by(self, n: int) -> np.ndarray:
+        """The bucket indices of the trees smaller than bucket n whose counts a round of n tells
+        (engine.budget.would_commit): none for the chain's round, and never the chain's."""
+        trees = [k > 0 and k in AUTO_BUCKETS for k in self.buckets]
+        if n not in AUTO_BUCKETS:
+            return np.zeros(0, dtype=np.int64)
+        return np.array([i for i, k in enumerate(self.buckets) if trees[i] and k < n], dtype=np.int64)
 
     def new_call(self) -> None:
         """A Runner's next call: its requests, the rounds left unread and its report start afresh; the
@@ -611,10 +616,12 @@ class BudgetPolicy:
                 choice = self._still_running(choice, rows)
                 got = committed[choice.rows] - 1.0
             ybar, variance = cal.long_run_values()  # before this round is added
+            before = cal.expected_coefficients()  # kept from the last pick
             self.paces.observe(choice.rows, got, ybar[j], variance[j])
             cal.observe_choices(j, choice.seen, got, choice.expected)
             if would is not None:
-                self._observe_smaller(j, choice, np.asarray(would, dtype=np.float64), sums_of=sums)
+                told = np.asarray(would, dtype=np.float64)
+                self._observe_smaller(j, choice, told, np.asarray(sums, dtype=np.float64), before)
             expected = float(choice.expected.sum())
         else:
             expected = float(len(rows))
@@ -627,19 +634,16 @@ class BudgetPolicy:
         self._rows(int(rows.max()) + 1 if rows.size else 0)
         self.sums[rows], self.age[rows] = own, 0
 
-    def _observe_smaller(self, j: int, choice: _Choice, would: np.ndarray, sums_of) -> None:
-        """The counts the smaller trees would have committed on the round read (bucket index j), fitted
-        as rounds of theirs (Calibration.observe_nested): on the S their choice saw, and against their
-        own S of this draft."""
-        own = np.asarray(sums_of, dtype=np.float64)[choice.rows]
-        told = would[choice.rows]
-        known = ~(np.isnan(told).any(axis=0) | np.isnan(own).any(axis=0))
-        known[j] = False
-        known &= self._sizes > 0
-        if known.any():
-            columns = np.flatnonzero(known)
-            self.calibration.observe_nested(columns, choice.seen_all[:, columns], told[:, columns] - 1.0,
-                                            own[:, columns])  # fmt: skip
+    def _observe_smaller(self, j: int, choice: _Choice, would: np.ndarray, own: np.ndarray,
+                         coefficients: Pair) -> None:  # fmt: skip
+        """The counts the smaller trees would have committed on the round read (bucket index j; would
+        and own [rows of the batch, buckets]), fitted as rounds of theirs (Calibration.observe_nested):
+        on the S their choice saw, against their own S of this draft and the fit before the round."""
+        columns = self._nested[j]
+        if columns.size:
+            rows, seen = choice.rows, choice.seen_all[:, columns]
+            accepted = would[rows][:, columns] - 1.0
+            self.calibration.observe_nested(columns, seen, accepted, own[rows][:, columns], coefficients)
 
     @staticmethod
     def _still_running(choice: _Choice, rows: np.ndarray) -> _Choice:
