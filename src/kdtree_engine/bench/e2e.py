@@ -145,14 +145,15 @@ def summarize(outputs) -> dict:
         "budgets": dict(sorted(sum((Counter(s.budget_histogram) for s in stats), Counter()).items())),
         "budget_report": _merged_report([s.budget_report for s in stats if s.budget_report]),
         "call_s": wall,
-        "auto_costs": _cost_accounting([t for s in stats for t in s.round_seconds]),
+        "round_costs": _cost_accounting([t for s in stats for t in s.round_seconds]),
     }
 
 
 def _cost_accounting(seconds: list[float]) -> dict | None:
-    """Budget "auto": how much of a call the policy's cost measurements saw: rounds read, rounds
-    measured (the others' intervals held a capture or an eager round), and the measured seconds summed;
-    None for a fixed budget."""
+    """How much of the calls' time their rounds' measured costs (engine.loop: the host clock between
+    two reads on CUDA) account for: rounds read, rounds measured (not: a call's first round, and on CUDA
+    a read whose interval held a capture or an eager round), and the measured seconds summed; None
+    without rounds."""
     if not seconds:
         return None
     measured = [t for t in seconds if t == t]
@@ -198,20 +199,26 @@ def auto_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
     return markdown_table(heads, body)
 
 
-def auto_cost_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
-    """The auto rows' time as the policy saw it against the calls' wall time (less capture): rounds read,
-    rounds measured, the measured rounds' summed cost, and what of the calls' time they account for; a
-    policy whose costs explain the wall time prices buckets right. None without an auto row."""
+ROUND_COSTS_TITLE = "Each row's measured rounds against its calls' time (rest: prefill, first round, end):"
+
+
+def round_cost_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
+    """Every row's time as its rounds measured it against the calls' wall time (less capture): rounds
+    read, rounds measured, the measured rounds' summed cost, the calls' time, what of it they account
+    for, and the rest (prefill, a call's first round, its end). For the auto budget a policy whose costs
+    explain the wall time prices buckets right; against a fixed budget's rest, what auto adds outside
+    its rounds. None without measured rounds."""
     body = []
     for r in rows:
-        costs = r.get("auto_costs")
-        if costs:
-            share = costs["seconds"] / r["call_s"] if r["call_s"] else float("nan")
+        costs = r.get("round_costs")
+        if costs and r["call_s"]:
+            share = costs["seconds"] / r["call_s"]
+            rest = (r["call_s"] - costs["seconds"]) * 1e3
             body.append([*lead(r), costs["rounds"], costs["measured"], f"{costs['seconds'] * 1e3:.2f}",
-                         f"{r['call_s'] * 1e3:.2f}", f"{share:.2f}"])  # fmt: skip
+                         f"{r['call_s'] * 1e3:.2f}", f"{share:.2f}", f"{rest:.2f}"])  # fmt: skip
     if not body:
         return None
-    heads = [*lead_heads, "rounds", "measured", "measured ms", "call ms", "measured / call"]
+    heads = [*lead_heads, "rounds", "measured", "measured ms", "call ms", "measured / call", "rest ms"]
     return markdown_table(heads, body)
 
 

@@ -127,8 +127,10 @@ def markdown(rows: list[dict], header: str, experts: list[dict] | None = None, f
     auto = e2e.auto_table(rows, lead[:2], setting)
     if auto:
         parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
-        costs = e2e.auto_cost_table(rows, lead[:2], setting)
-        parts += ['Budget "auto": its measured round costs against the calls\' time:', costs]
+    costs = e2e.round_cost_table(rows, [*lead[:2], "method", "budget"],
+                                 lambda r: [*setting(r), r["method"], r["budget"] or "-"])  # fmt: skip
+    if costs:
+        parts += [e2e.ROUND_COSTS_TITLE, costs]
     if experts:
         parts.append(touch.markdown(experts))
     if forwards:

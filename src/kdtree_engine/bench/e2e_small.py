@@ -190,8 +190,10 @@ def markdown(rows: list[dict], header: str, forwards: list[dict] | None = None) 
     auto = e2e.auto_table(rows, lead, setting)
     if auto:
         parts += ['Budget "auto": the rounds per bucket, predicted and observed tokens per request:', auto]
-        costs = e2e.auto_cost_table(rows, lead, setting)
-        parts += ['Budget "auto": its measured round costs against the calls\' time:', costs]
+    costs = e2e.round_cost_table(rows, lead + ["method", "budget"],
+                                 lambda r: setting(r) + [r["method"], r["budget"] or "-"])  # fmt: skip
+    if costs:
+        parts += [e2e.ROUND_COSTS_TITLE, costs]
     if forwards:
         parts.append(forward_cost.markdown(forwards, DRAFTER_LABEL))
     return "\n\n".join(parts)

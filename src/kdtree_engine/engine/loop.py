@@ -592,7 +592,7 @@ class _Rounds:
         self.run, self.state = run, state
         self.stages, self.graphs, self.host = _Stages(run, state), None, None
         self.flight: list[_InFlight] = []
-        self.last_read: float | None = None  # the host clock at the last round read (auto budget)
+        self.last_read: float | None = None  # the host clock at the last round read
         self.steps = 0  # autoregressive steps enqueued since the last draft (auto budget)
         self.eager = not _use_graphs(run, state.start.device)  # rounds never captured
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
@@ -665,19 +665,20 @@ class _Rounds:
         entry = self.flight.pop(0)
         buckets = len(self.stages.buckets)
         tokens, counts, floats = self.host.read(2 * buckets if self.policy is not None else 0)
+        seconds, self.last_read = self._cost(entry), time.perf_counter()
+        self.run.stats.round_seconds.append(float("nan") if seconds is None else seconds)
         if self.policy is not None:
-            seconds, self.last_read = self._cost(entry), time.perf_counter()
             rows = np.flatnonzero(self.run.reqs.active)
             j = self.stages.buckets.index(entry.bucket)
             spec = entry.bucket > 0 and floats is not None and not np.isnan(floats[0, j])
             sums, would = (floats[:, :buckets], floats[:, buckets:]) if spec else (None, None)
             self.policy.observe(entry.bucket, seconds, rows, counts, sums, would)
             self.run.stats.budgets.append(entry.bucket)
-            self.run.stats.round_seconds.append(float("nan") if seconds is None else seconds)
         return tokens, counts
 
     def _cost(self, entry: _InFlight) -> float | None:
-        """What the round just read cost (auto budget): on CUDA the host clock since the last round
+        """What the round just read cost (the auto budget's cost table; stats.round_seconds for every
+        budget): on CUDA the host clock since the last round
         read, which with rounds enqueued ahead is the device's round or the host's work per round,
         whichever is longer (None for a round not representative: eager; or when the interval since
         the last read holds a capture or the enqueue of an eager round, whose host work can take

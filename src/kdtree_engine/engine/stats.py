@@ -101,7 +101,7 @@ class GenerationStats:
     eager_rounds: int = 0  # rounds past a call's first run eagerly although graphs are on (not captured yet)
     budgets: list[int] = field(default_factory=list)  # budget "auto": each round's bucket, in order
     budget_report: dict = field(default_factory=dict)  # budget "auto": engine.budget.BudgetPolicy.report()
-    round_seconds: list[float] = field(default_factory=list)  # budget "auto": each round's measured cost
+    round_seconds: list[float] = field(default_factory=list)  # each round's measured cost (NaN: not measured)
 
     @property
     def total_new_tokens(self) -> int:
