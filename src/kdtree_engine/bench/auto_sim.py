@@ -176,7 +176,7 @@ def _cost(sc: Scenario, n: int, rng: np.random.Generator) -> float:
 
 
 def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy | None = None,
-             static: bool = True, counterfactual: bool = True) -> dict:  # fmt: skip
+             static: bool = True) -> dict:  # fmt: skip
     """One static call: every request decodes sc.tokens tokens (the prefill's first one included).
     bucket: a fixed bucket (0: plain autoregressive decoding), or None for the policy's choice. Returns
     the call's seconds, rounds and the buckets picked. Rounds are pipelined as on CUDA: the pick of
@@ -214,8 +214,7 @@ def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy |
         seconds += cost
         picks.append(n)
         if policy is not None:
-            told = would if n and counterfactual else None
-            policy.observe(n, cost, rows, counts, sums if n else None, told)
+            policy.observe(n, cost, rows, counts, sums if n else None, would if n else None)
         reqs.committed = np.minimum(reqs.committed + np.where(running(), counts, 0), sc.tokens)
     if policy is not None and flight:  # the round enqueued past the end: its device time is spent
         seconds += _cost(sc, flight.popleft(), rng)
@@ -257,8 +256,7 @@ def trace_scenarios(path) -> tuple[Scenario, ...]:
     return tuple(out)
 
 
-def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True,
-            counterfactual: bool = True) -> dict:  # fmt: skip
+def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -> dict:
     """Tokens per second of autoregressive decoding, every fixed bucket and auto on the same requests:
     per setting, `seeds` groups of `calls` calls on one policy (as a Runner keeps its costs and
     calibration), the last call of each group timed."""
@@ -272,7 +270,7 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True,
         policy = BudgetPolicy(AUTO_BUCKETS, STEP_ROUNDS * BLOCK)
         for c in range(calls):
             policy.new_call()
-            out = run_call(sc, 1000 * s + c, None, policy, static, counterfactual)
+            out = run_call(sc, 1000 * s + c, None, policy, static)
         t += out["seconds"]
         picks += out["picks"]
     rates["auto"] = seeds * total / t

@@ -151,6 +151,14 @@ def round_sums(probs: torch.Tensor, top_logprobs: torch.Tensor, buckets: Sequenc
     return torch.stack(columns, dim=1)
 
 
+def smaller_trees(buckets: Sequence[int], n: int, chain: int | None) -> list[int]:
+    """The tree buckets below bucket n whose counts a round of n tells (would_commit): every k with
+    0 < k < n but the chain's; none for the chain's own round (the chain is no tree's prefix)."""
+    if n == chain:
+        return []
+    return [k for k in buckets if 0 < k < n and k != chain]
+
+
 def would_commit(accepted: torch.Tensor, buckets: Sequence[int], n: int, chain: int | None) -> torch.Tensor:
     """What a round of bucket n tells of the tokens each smaller tree would have committed on the same
     round ([B, len(buckets)] float32, NaN where it tells nothing). accepted [B, L + 1]: the accepted
@@ -161,9 +169,10 @@ def would_commit(accepted: torch.Tensor, buckets: Sequence[int], n: int, chain: 
     (its nodes need not be in the tree). Device ops only."""
     nodes = accepted[:, 1:]
     nan = nodes.new_full((nodes.shape[0],), float("nan"), dtype=torch.float32)
+    told = {n, *smaller_trees(buckets, n, chain)}
     columns = []
     for k in buckets:
-        if k == n or (k != chain and 0 < k < n and n != chain):
+        if k in told:
             columns.append(1.0 + ((nodes > 0) & (nodes <= k)).sum(dim=1).float())
         else:
             columns.append(nan)
@@ -432,13 +441,12 @@ def steady_rate(at_levels: Sequence[float], costs: Sequence[float]) -> float:
 
 @dataclass
 class _Choice:
-    """What the choice of one enqueued round saw: the running request rows, their S at the bucket
-    chosen and at every bucket (aged), and the E each expected at the bucket chosen."""
+    """What the choice of one enqueued round saw: the running request rows, their S at every bucket
+    (aged; [rows, buckets]), and the E each expected at the bucket chosen."""
 
     rows: np.ndarray
     seen: np.ndarray
     expected: np.ndarray
-    seen_all: np.ndarray  # [rows, buckets]
 
 
 @dataclass
@@ -472,16 +480,11 @@ class BudgetPolicy:
         self.costs = CostTable(self.buckets)
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
-        self._nested = [self._told_by(n) for n in self.buckets]
+        chain = next((k for k in self.buckets if k not in AUTO_BUCKETS), None)  # DFlash's chain, if any
+        # per bucket index: the indices of the smaller trees whose counts its round tells
+        self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
+                                 dtype=np.int64) for n in self.buckets]  # fmt: skip
         self.new_call()
-
-    def _told_by(self, n: int) -> np.ndarray:
-        """The bucket indices of the trees smaller than bucket n whose counts a round of n tells
-        (engine.budget.would_commit): none for the chain's round, and never the chain's."""
-        trees = [k > 0 and k in AUTO_BUCKETS for k in self.buckets]
-        if n not in AUTO_BUCKETS:
-            return np.zeros(0, dtype=np.int64)
-        return np.array([i for i, k in enumerate(self.buckets) if trees[i] and k < n], dtype=np.int64)
 
     def new_call(self) -> None:
         """A Runner's next call: its requests, the rounds left unread and its report start afresh; the
@@ -542,7 +545,7 @@ class BudgetPolicy:
             rate = self._steady_rate(rows.size)
             picked = choose([expected[j] for j in allowed], [costs[j] for j in allowed], rate)
             j = allowed[picked]
-        self.pending.append(_Choice(rows, seen[:, j], per_row[:, j], seen))
+        self.pending.append(_Choice(rows, seen, per_row[:, j]))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
@@ -616,9 +619,9 @@ class BudgetPolicy:
                 choice = self._still_running(choice, rows)
                 got = committed[choice.rows] - 1.0
             ybar, variance = cal.long_run_values()  # before this round is added
-            before = cal.expected_coefficients()  # kept from the last pick
+            before = cal.expected_coefficients() if would is not None else None  # kept from the last pick
             self.paces.observe(choice.rows, got, ybar[j], variance[j])
-            cal.observe_choices(j, choice.seen, got, choice.expected)
+            cal.observe_choices(j, choice.seen[:, j], got, choice.expected)
             if would is not None:
                 told = np.asarray(would, dtype=np.float64)
                 self._observe_smaller(j, choice, told, np.asarray(sums, dtype=np.float64), before)
@@ -641,7 +644,7 @@ class BudgetPolicy:
         on the S their choice saw, against their own S of this draft and the fit before the round."""
         columns = self._nested[j]
         if columns.size:
-            rows, seen = choice.rows, choice.seen_all[:, columns]
+            rows, seen = choice.rows, choice.seen[:, columns]
             accepted = would[rows][:, columns] - 1.0
             self.calibration.observe_nested(columns, seen, accepted, own[rows][:, columns], coefficients)
 
@@ -652,7 +655,7 @@ class BudgetPolicy:
         running = np.zeros(max(int(choice.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, bool)
         running[rows] = True
         same = running[choice.rows]
-        return _Choice(choice.rows[same], choice.seen[same], choice.expected[same], choice.seen_all[same])
+        return _Choice(choice.rows[same], choice.seen[same], choice.expected[same])
 
     def report(self) -> dict[int, dict[str, float]]:
         """Per bucket, over this call: rounds read, mean tokens per request predicted (uncalibrated:
