@@ -66,6 +66,8 @@ import numpy as np
 import torch
 
 from kdtree_engine.engine.budget_call import CallTest, Paces, Pair, steady_call_seconds
+from kdtree_engine.impl import resolve_impl
+from kdtree_engine.tree_types import DraftTree
 
 AUTO_BUCKETS = (0, 4, 8, 16, 32, 64)  # nodes verified per round besides the root
 COST_WINDOW = 16  # rounds per bucket whose median is its cost
@@ -76,8 +78,13 @@ STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many roun
 STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
 
 
-def path_probabilities(top_logprobs: torch.Tensor, top_ids: torch.Tensor, tokens: torch.Tensor,
-                       depths: torch.Tensor, visibility: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def path_probabilities(
+    top_logprobs: torch.Tensor,
+    top_ids: torch.Tensor,
+    tokens: torch.Tensor,
+    depths: torch.Tensor,
+    visibility: torch.Tensor,
+) -> torch.Tensor:
     """The draft path probability of every tree node: top_logprobs / top_ids [B, L, K] (the top-k the
     tree was built from: tree.ops.logits_topk); tokens / depths [B, n] (node i + 1's token and 1-based
     depth, -1 where unused); visibility [B, n + 1, n + 1] bool (node i sees its ancestors and itself;
@@ -129,8 +136,9 @@ def chain_sums(top_logprobs: torch.Tensor) -> torch.Tensor:
     return top_logprobs[..., 0].float().cumsum(dim=1).exp().sum(dim=1)
 
 
-def round_sums(probs: torch.Tensor, top_logprobs: torch.Tensor, buckets: Sequence[int], n: int,
-               chain: int | None) -> torch.Tensor:  # fmt: skip
+def round_sums(
+    probs: torch.Tensor, top_logprobs: torch.Tensor, buckets: Sequence[int], n: int, chain: int | None
+) -> torch.Tensor:
     """What a round of bucket n tells of S at every bucket ([B, len(buckets)] float32, NaN where it
     tells nothing). probs [B, n] the path probabilities of its tree's nodes, top_logprobs the top-k
     the tree was built from, chain the chain's bucket (None: none). A best-first tree of n nodes tells
@@ -177,6 +185,69 @@ def would_commit(accepted: torch.Tensor, buckets: Sequence[int], n: int, chain: 
         else:
             columns.append(nan)
     return torch.stack(columns, dim=1)
+
+
+@dataclass(frozen=True)
+class ReportCodes:
+    """What each column of a round of bucket n reports (round_report): sums[j] >= 0 the sum of the
+    first sums[j] path probabilities, -2 the chain's S, -1 NaN; would[j] >= 1 the tokens the tree of
+    would[j] nodes would have committed, -1 NaN. The device copies are made once, outside any capture
+    (a captured graph cannot copy from the host)."""
+
+    buckets: tuple[int, ...]
+    n: int
+    chain: int | None
+    sums: torch.Tensor  # [len(buckets)] int32 on the round's device
+    would: torch.Tensor  # [len(buckets)] int32
+
+
+def report_codes(buckets: Sequence[int], n: int, chain: int | None, device: torch.device) -> ReportCodes:
+    """The columns of a round of bucket n: round_sums's and would_commit's rules as codes."""
+    if n == chain:
+        sums = [n if k == chain else -1 for k in buckets]
+    else:
+        sums = [-2 if k == chain else (k if k <= n else -1) for k in buckets]
+    told = {n, *smaller_trees(buckets, n, chain)}
+    would = [k if k in told else -1 for k in buckets]
+    codes = torch.tensor([sums, would], dtype=torch.int32, device=device)
+    return ReportCodes(tuple(buckets), n, chain, codes[0], codes[1])
+
+
+def round_report_ref(
+    top_logprobs: torch.Tensor,
+    top_ids: torch.Tensor,
+    tree: DraftTree,
+    visibility: torch.Tensor,
+    accepted: torch.Tensor,
+    codes: ReportCodes,
+) -> torch.Tensor:
+    """The round's report for its policy ([B, 2 len(buckets)] float64, the round's copy's format): the
+    bucket sums (round_sums of the tree's path_probabilities), then the counts each smaller tree would
+    have committed (would_commit). top_logprobs / top_ids the top-k the tree was built from (the
+    chain's round: the top-1), tree the bucket's, visibility its compiled mask, accepted the walk's
+    node indices."""
+    probs = path_probabilities(top_logprobs, top_ids, tree.tokens, tree.depths, visibility)
+    sums = round_sums(probs, top_logprobs, codes.buckets, codes.n, codes.chain)
+    would = would_commit(accepted, codes.buckets, codes.n, codes.chain)
+    return torch.cat([sums, would], dim=1).double()
+
+
+def round_report(
+    top_logprobs: torch.Tensor,
+    top_ids: torch.Tensor,
+    tree: DraftTree,
+    visibility: torch.Tensor,
+    accepted: torch.Tensor,
+    codes: ReportCodes,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """round_report_ref, on CUDA in one launch (kernels.round_report; `impl` as every op's). Internal to
+    the engine: its inputs are the round's own tensors, not checked."""
+    if resolve_impl(impl, accepted.device) == "ref":
+        return round_report_ref(top_logprobs, top_ids, tree, visibility, accepted, codes)
+    from kdtree_engine.kernels.round_report import round_report as kernel_report
+
+    return kernel_report(top_logprobs, top_ids, tree, visibility, accepted, codes.sums, codes.would)
 
 
 def _maximum(x: float, y: float) -> float:

@@ -41,10 +41,10 @@ from kdtree_engine.engine import checks
 from kdtree_engine.engine.budget import (
     STEP_ROUNDS,
     BudgetPolicy,
+    ReportCodes,
     auto_buckets,
-    path_probabilities,
-    round_sums,
-    would_commit,
+    report_codes,
+    round_report,
 )
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
@@ -238,10 +238,10 @@ class _Stages:
     def __init__(self, run: _Run, state: _State) -> None:
         self.run, self.s = run, state
         self.keys = self.draw = None
-        # per bucket: its tree, its verify inputs (ids, positions, visibility), its sums (auto budget)
+        # per bucket: its tree, its verify inputs (ids, positions, visibility), its report's codes (auto)
         self.trees: dict[int, DraftTree] = {}
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.sums: dict[int, torch.Tensor] = {}
+        self.codes: dict[int, ReportCodes] = {}
         self.topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
         self.prompt_stages: dict[int, _Stage] = {}  # a call's first draft per prefill width (prompt_stage)
@@ -257,6 +257,8 @@ class _Stages:
         chain_nodes = run.drafter.block_size - 1 if auto else None
         self.buckets = auto_buckets(chain_nodes) if auto else (run.budget,)
         self.chain = chain_nodes if auto and chain_nodes in self.buckets else None  # DFlash's chain
+        if auto:
+            self.codes = {n: report_codes(self.buckets, n, self.chain, device) for n in self.buckets if n}
         self.orders: dict[int, list[_Stage]] = {}
         self.after_steps: dict[int, list[_Stage]] = {}  # auto budget: a bucket's round after AR steps
         self.plain_step: list[_Stage] = []  # auto budget: a step of a call given to steps
@@ -359,17 +361,12 @@ class _Stages:
             self.trees[n] = build_tree_from_logits(self.draft_logits, n, impl=run.impl, validate=False)
 
     def compile(self, n: int) -> None:
-        """The verify inputs of bucket n's tree; with the auto budget, also each request's S at every
-        bucket the round tells (engine.budget.round_sums: the sums of the path probabilities at the
-        trees up to n and at the chain; NaN for the buckets whose nodes this round did not build)."""
+        """The verify inputs of bucket n's tree."""
         run, s, tree = self.run, self.s, self.trees[n]
         vin = compile_tree(tree, s.bonus, s.start, impl=run.impl, validate=False)
         # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
         pos = vin.positions if run.limit is None else vin.positions.clamp(max=run.limit - 1)
         self.inputs[n] = (vin.input_ids, pos, vin.visibility)
-        if run.config.auto_budget:
-            probs = path_probabilities(*self.topk[n], tree.tokens, tree.depths, vin.visibility)
-            self.sums[n] = round_sums(probs, self.topk[n][0], self.buckets, n, self.chain)
 
     def _first(self, n: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tree, input_ids, positions, visibility) of bucket n."""
@@ -402,30 +399,28 @@ class _Stages:
         s.ctx_lens.copy_(count)
         tokens = torch.cat([ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
         tokens.scatter_(1, (count - 1).clamp(min=0)[:, None], acc.bonus[:, None])
-        would = None
+        report = None
         if self.run.config.auto_budget:
-            would = would_commit(acc.accepted, self.buckets, n, self.chain)
-        self._commit(count, tokens, self.sums.get(n), would)
+            report = round_report(*self.topk[n], tree, self.inputs[n][2], acc.accepted, self.codes[n],
+                                  impl=self.run.impl)  # fmt: skip
+        self._commit(count, tokens, report)
         s.bonus.copy_(torch.where(s.active, acc.bonus, s.bonus))
         s.start.add_(count)
 
-    def _commit(self, count: torch.Tensor, tokens: torch.Tensor, sums: torch.Tensor | None,
-                would: torch.Tensor | None = None) -> None:  # fmt: skip
+    def _commit(self, count: torch.Tensor, tokens: torch.Tensor, report: torch.Tensor | None) -> None:
         """The round's one tensor for the host: count, tokens, and with the auto budget the L + 1 token
-        slots padded, the bucket sums and the counts each smaller tree would have committed
-        (engine.budget.would_commit; float64 bits; NaN for a round without a draft)."""
+        slots padded and the round's report (engine.budget.round_report: the bucket sums and the counts
+        each smaller tree would have committed; float64 bits; NaN for a round without a draft)."""
         s = self.s
         if not self.run.config.auto_budget:
             s.put("committed", torch.cat([count[:, None], tokens], dim=1))
             return
         width = self.run.drafter.block_size  # L + 1 token slots
         pad = tokens.new_zeros(tokens.shape[0], width - tokens.shape[1])
-        if sums is None or would is None or tokens.shape[1] == 1:
-            sums = torch.full((tokens.shape[0], 2 * len(self.buckets)), float("nan"), device=tokens.device)
-        else:
-            sums = torch.cat([sums, would], dim=1)
-        bits = sums.double().view(torch.int64)
-        s.put("committed", torch.cat([count[:, None], tokens, pad, bits], dim=1))
+        if report is None:
+            report = torch.full((tokens.shape[0], 2 * len(self.buckets)), float("nan"), dtype=torch.float64,
+                                device=tokens.device)  # fmt: skip
+        s.put("committed", torch.cat([count[:, None], tokens, pad, report.view(torch.int64)], dim=1))
 
     def decode(self, into_context: bool = False) -> None:
         """One decode forward of the bonus tokens. into_context (the auto budget's autoregressive step):
