@@ -15,7 +15,9 @@
 # as out/kimi_bench.json (KIMI_JSON overrides). "flashmla" installs the FlashMLA wheel carried in .whl/ and runs
 # bench attention against it on 64-row pages (issue 29). "tune-attention" runs the GPU tests of the kernels whose launches
 # changed after the sm_90 compile audit (docs/notes/kernels.md), then scripts/tune_triton_attention.py.
-# "engine" runs the engine's GPU tests, then the auto budget's kimi-nano grid (one call).
+# "engine" runs the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
+# round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
+# fixed bucket against that budget: what auto's machinery costs apart from its choices).
 # "auto" runs the auto budget's grid on kimi-nano (issue 28) and the host's steps per round with the timed call's timeline; "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
@@ -135,6 +137,20 @@ if [ "$what" = auto ]; then
   timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch ${HOST_BATCH:-4 16} --budgets ${HOST_BUDGETS:-64 auto} \
     --temperature ${HOST_TEMP:-0} --timeline 2>&1 \
     | tee "$R/round_host_time.log" || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = auto-overhead ]; then
+  # issue 28: the round report's kernel against its reference, the engine's GPU tests, then auto made to
+  # pick a fixed bucket against that budget (scripts/auto_overhead.py: the machinery's cost apart from
+  # the choices) and auto itself, on kimi-nano at OVERHEAD_BATCH (default 1 4 16 64)
+  timeout "${T_KT:-40}" python3 -m pytest -q tests/kernels/test_round_report.py -p no:cacheprovider 2>&1 \
+    | tee "$R/round_report_tests.log" | tail -3 || status=1
+  timeout "${T_ENG:-170}" python3 -m pytest -q -m gpu tests/engine -p no:cacheprovider -rs --durations=5 2>&1 \
+    | tee "$R/engine_tests.log" | tail -20 || status=1
+  # shellcheck disable=SC2086
+  timeout "${T_OVER:-330}" python3 scripts/auto_overhead.py --batch ${OVERHEAD_BATCH:-1 4 16 64} --budgets 16 32 \
+    --calls 5 2>&1 | tee "$R/auto_overhead.log" | tail -40 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi

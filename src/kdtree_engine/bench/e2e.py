@@ -91,7 +91,7 @@ def batch_sizes(args, device: torch.device) -> list[int]:
     return [1] if args.target == "nano" and device.type == "cpu" else [1, 4, 16, 64]
 
 
-TIMED_CALLS = 3  # untimed calls per setting; the one of median wall time gives tokens/s
+TIMED_CALLS = 5  # untimed calls per setting; the one of median wall time gives tokens/s
 
 
 def timed_run(target, drafter, prompts, config, calls: int = TIMED_CALLS):

@@ -155,6 +155,16 @@ class _Run:
         return tuple(int(i) for i in self.drafter.target_layer_ids) if self.drafter is not None else ()
 
 
+def _step_tail(batch: int, width: int, buckets: int, device: torch.device) -> torch.Tensor:
+    """The auto budget's copy of an autoregressive step past its one token ([batch, width - 1 + 2
+    buckets] int64): the empty token slots, then a report of NaN (no draft), made once outside any
+    capture so that a step's commit is one launch."""
+    nan = torch.full((batch, 2 * buckets), float("nan"), dtype=torch.float64, device=device)
+    return torch.cat(
+        [torch.zeros(batch, width - 1, dtype=torch.int64, device=device), nan.view(torch.int64)], 1
+    )
+
+
 def _accept(run: _Run, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
     """The target's token at every node (argmax or sample, a fresh noise offset per call), then the walk."""
     sampling = run.config.sampling
@@ -257,8 +267,12 @@ class _Stages:
         chain_nodes = run.drafter.block_size - 1 if auto else None
         self.buckets = auto_buckets(chain_nodes) if auto else (run.budget,)
         self.chain = chain_nodes if auto and chain_nodes in self.buckets else None  # DFlash's chain
+        self.step_tail = None  # auto budget: what an autoregressive step's copy holds past its token
         if auto:
             self.codes = {n: report_codes(self.buckets, n, self.chain, device) for n in self.buckets if n}
+            self.step_tail = _step_tail(
+                state.start.shape[0], run.drafter.block_size, len(self.buckets), device
+            )
         self.orders: dict[int, list[_Stage]] = {}
         self.after_steps: dict[int, list[_Stage]] = {}  # auto budget: a bucket's round after AR steps
         self.plain_step: list[_Stage] = []  # auto budget: a step of a call given to steps
@@ -415,11 +429,10 @@ class _Stages:
         if not self.run.config.auto_budget:
             s.put("committed", torch.cat([count[:, None], tokens], dim=1))
             return
-        width = self.run.drafter.block_size  # L + 1 token slots
-        pad = tokens.new_zeros(tokens.shape[0], width - tokens.shape[1])
-        if report is None:
-            report = torch.full((tokens.shape[0], 2 * len(self.buckets)), float("nan"), dtype=torch.float64,
-                                device=tokens.device)  # fmt: skip
+        if report is None:  # an autoregressive step: one token, the other slots and the report fixed
+            s.put("committed", torch.cat([count[:, None], tokens, self.step_tail], dim=1))
+            return
+        pad = tokens.new_zeros(tokens.shape[0], self.run.drafter.block_size - tokens.shape[1])  # L + 1 slots
         s.put("committed", torch.cat([count[:, None], tokens, pad, report.view(torch.int64)], dim=1))
 
     def decode(self, into_context: bool = False) -> None:
