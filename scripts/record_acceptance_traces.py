@@ -29,32 +29,46 @@ TOP = AUTO_BUCKETS[-1]
 
 
 def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) -> list[list[dict]]:
-    """Per request, its rounds: {"counts": tokens per bucket, "sums": S per bucket}."""
+    """Per request, its rounds: {"counts": tokens per bucket, "sums": S per bucket} at AUTO_BUCKETS (the
+    round's report, engine.budget.round_report, less the chain's column where the drafter has one)."""
     traces: list[list[dict]] = [[] for _ in prompts]
-    pick, accept, choose = BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose
+    pick, accept, choose, report = (
+        BudgetPolicy.pick,
+        loop._Stages.accept,
+        loop._Stages._choose,
+        loop.round_report,
+    )
+    last: dict = {}
 
     def largest(self, active, must_draft, remaining=None):
         pick(self, active, must_draft, remaining)  # the policy's bookkeeping, then the largest bucket
         return TOP
 
     def kept(self, tree, logits):
-        self.last_accept = choose(self, tree, logits)
-        return self.last_accept
+        last["accept"] = choose(self, tree, logits)
+        return last["accept"]
+
+    def reported(*args, **kwargs):
+        last["report"] = report(*args, **kwargs)
+        return last["report"]
 
     def recorded(self, n):
         active = self.s.active.tolist()
         accept(self, n)
-        sums = self.sums[n].tolist()
+        columns = [self.buckets.index(k) for k in AUTO_BUCKETS]
+        sums = last["report"][:, columns].tolist()
         for b, on in enumerate(active):
             if on:
-                counts = counts_at_buckets(self.last_accept.accepted[b].numpy())
+                counts = counts_at_buckets(last["accept"].accepted[b].numpy())
                 traces[b].append({"counts": counts, "sums": sums[b]})
 
     BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = largest, recorded, kept
+    loop.round_report = reported
     try:
         generate(target, drafter, prompts, config)
     finally:
         BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = pick, accept, choose
+        loop.round_report = report
     return traces
 
 

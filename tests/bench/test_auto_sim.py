@@ -122,3 +122,32 @@ def test_traces_replay_by_text_position(tmp_path):
     assert [trace.at(p) for p in (0, 2, 3, 7, 8, 11)] == [0, 0, 1, 1, 0, 1]  # wraps past the end
     sc = auto_sim.Scenario("t", 1, COSTS, traces=(trace,), tokens=12, cost_noise=0.0)
     assert auto_sim.run_call(sc, 0, 0)["rounds"] == 11
+
+
+def test_recorded_traces_hold_a_round_per_commit_at_every_tree_bucket():
+    """scripts/record_acceptance_traces.py on a tiny pair whose drafter has a chain bucket (L = 7): per
+    request, rounds whose largest-bucket counts add up to its tokens, S and counts at the tree buckets
+    only (the chain's column dropped): S 0 at bucket 0 and growing with the bucket, counts too."""
+    import importlib.util
+
+    from kdtree_engine.engine import GenerationConfig, SamplingParams
+    from tests.engine.helpers import random_prompts, tiny_drafter, tiny_target
+
+    spec = importlib.util.spec_from_file_location("record_traces", "scripts/record_acceptance_traces.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    target, drafter = tiny_target(), tiny_drafter(block_size=8)
+    prompts = random_prompts(5, [6, 9], target.config.vocab_size)
+    config = GenerationConfig(
+        budget="auto", max_new_tokens=12, seed=0, sampling=SamplingParams(temperature=0.0)
+    )
+    traces = script.record(target, drafter, prompts, config)
+    assert len(traces) == 2
+    for rounds in traces:
+        assert (
+            sum(r["counts"][-1] for r in rounds) >= 11
+        )  # the prefill commits the first; a last round may overshoot
+        for r in rounds:
+            assert len(r["counts"]) == len(r["sums"]) == len(AUTO_BUCKETS)
+            assert r["sums"][0] == 0.0 and all(a <= b + 1e-6 for a, b in zip(r["sums"], r["sums"][1:]))
+            assert r["counts"] == sorted(r["counts"]) and r["counts"][0] == 1
