@@ -4,11 +4,14 @@ against the best of them, and the buckets auto picked. A model of rounds, not a 
 checks the policy's logic on the CPU.
 
     python scripts/simulate_auto_budget.py [--seeds 16] [--refilled] [--traces out/traces.json]
+        [--costs out/nano_auto/e2e_nano.json]
 
 --refilled runs the policy as for a batch whose finished rows are refilled (it is not told the tokens
 each request has left, so it has no static call's test): the rule alone. --traces replays kimi-nano's
 recorded acceptance (scripts/record_acceptance_traces.py) at batch 1, 4, 16 and 64, temperature 0
-and 1, instead of the model's settings.
+and 1, instead of the model's settings; --costs takes their round costs from a GPU run of `bench e2e
+--target nano --auto` (auto_sim.costs_from_bench: the policy's own median per bucket, at temperature
+0), in place of the illustrative tables.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kdtree_engine.bench.auto_sim import SCENARIOS, compare, trace_scenarios
+from kdtree_engine.bench.auto_sim import SCENARIOS, compare, costs_from_bench, trace_scenarios
 from kdtree_engine.bench.plot import markdown_table
 
 
@@ -27,9 +30,13 @@ def main() -> None:
     parser.add_argument(
         "--traces", type=Path, help="recorded acceptance to replay (record_acceptance_traces.py)"
     )
+    parser.add_argument("--costs", type=Path, help="a bench e2e --target nano --auto result (e2e_nano.json)")
     args = parser.parse_args()
+    if args.costs and not args.traces:
+        parser.error("--costs needs --traces")
+    costs = costs_from_bench(args.costs) if args.costs else None
     rows = []
-    for sc in trace_scenarios(args.traces) if args.traces else SCENARIOS:
+    for sc in trace_scenarios(args.traces, costs) if args.traces else SCENARIOS:
         r = compare(sc, seeds=args.seeds, static=not args.refilled)
         rates = r["rates"]
         picks = " ".join(f"{k}:{n}" for k, n in r["picks"].items())

@@ -151,3 +151,37 @@ def test_recorded_traces_hold_a_round_per_commit_at_every_tree_bucket():
             assert len(r["counts"]) == len(r["sums"]) == len(AUTO_BUCKETS)
             assert r["sums"][0] == 0.0 and all(a <= b + 1e-6 for a, b in zip(r["sums"], r["sums"][1:]))
             assert r["counts"] == sorted(r["counts"]) and r["counts"][0] == 1
+
+
+def _bench_row(method, budget, batch, temperature=0.0, measured=None, report=None):
+    row = {"method": method, "budget": budget, "batch": batch, "temperature": temperature}
+    if measured is not None:  # (rounds measured, their seconds)
+        row["round_costs"] = {"rounds": measured[0] + 1, "measured": measured[0], "seconds": measured[1]}
+    if report is not None:  # bucket -> seconds, as JSON keeps it (string keys)
+        row["budget_report"] = {str(k): {"rounds": 1, "seconds": s} for k, s in report.items()}
+    return row
+
+
+def test_costs_from_a_bench_run_prefer_the_policys_own_then_the_fixed_rows(tmp_path):
+    """auto's median per bucket first, then each fixed row's measured rounds (bucket 0: plain decoding),
+    a bucket without either the nearest smaller tree's (4 the nearest larger); DFlash and other
+    temperatures ignored; a bucket no row tells is a ValueError naming the file."""
+    nan = float("nan")
+    rows = [
+        _bench_row("autoregressive", 32, 1, measured=(10, 0.005)),
+        _bench_row("dflash", 15, 1, measured=(10, 0.009)),
+        *[_bench_row("ddtree", k, 1, measured=(10, 0.01 * (1 + k / 64))) for k in (8, 16, 32, 64)],
+        _bench_row("ddtree", "auto", 1, report={0: 6e-4, 16: 1.2e-3, 15: 9e-4, 64: nan}),
+        _bench_row("ddtree", 8, 1, temperature=1.0, measured=(10, 1.0)),
+        _bench_row("autoregressive", 32, 4, measured=(10, 0.006)),
+        _bench_row("ddtree", "auto", 4, report={8: 1e-3, 32: 1.5e-3, 64: 2e-3}),
+    ]
+    path = tmp_path / "e2e_nano.json"
+    path.write_text(json.dumps({"header": "", "rows": rows}))
+    costs = auto_sim.costs_from_bench(path)
+    assert list(costs) == [1, 4] and list(costs[1]) == list(AUTO_BUCKETS)
+    assert costs[1] == pytest.approx({0: 0.6, 4: 1.125, 8: 1.125, 16: 1.2, 32: 1.5, 64: 2.0})
+    assert costs[4] == pytest.approx({0: 0.6, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.5, 64: 2.0})
+    path.write_text(json.dumps({"header": "", "rows": rows[-1:]}))  # no step measured at batch 4
+    with pytest.raises(ValueError, match="e2e_nano.json: no cost for buckets \\[0\\]"):
+        auto_sim.costs_from_bench(path)

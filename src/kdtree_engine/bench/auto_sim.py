@@ -244,16 +244,50 @@ SCENARIOS = (
 COSTS_BY_BATCH = {1: B1, 4: B4, 16: B16, 64: B64}
 
 
-def trace_scenarios(path) -> tuple[Scenario, ...]:
-    """Batch 1, 4, 16 and 64 at temperature 0 and 1 replaying the recorded traces (the cost tables
-    above)."""
+def trace_scenarios(path, costs_by_batch: dict[int, dict[int, float]] | None = None) -> tuple[Scenario, ...]:
+    """Batch 1, 4, 16 and 64 (or the batches of costs_by_batch) at temperature 0 and 1 replaying the
+    recorded traces, with the cost tables above or costs_by_batch (costs_from_bench)."""
     out = []
     for temperature in ("0", "1"):
         traces = load_traces(path, temperature)
-        for batch, costs in COSTS_BY_BATCH.items():
+        for batch, costs in (costs_by_batch or COSTS_BY_BATCH).items():
             name = f"batch {batch}, kimi-nano traces, temperature {temperature}"
             out.append(Scenario(name, batch, costs, traces=traces))
     return tuple(out)
+
+
+def costs_from_bench(path, temperature: float = 0.0) -> dict[int, dict[int, float]]:
+    """The round costs (ms per bucket of AUTO_BUCKETS) a GPU run measured, per batch, from a
+    `bench e2e --target nano --auto` result (e2e_nano.json): each bucket's median cost as the auto
+    row's policy held it (its autoregressive step feeds the drafter, as the simulated one does), else
+    the fixed budget's row (its measured rounds' mean; bucket 0: plain decoding's), else the nearest
+    smaller tree bucket's. ValueError naming `path` where a batch has neither for some bucket."""
+    rows = json.loads(Path(path).read_text())["rows"]
+    out: dict[int, dict[int, float]] = {}
+    for r in rows:
+        if r.get("temperature") != temperature:
+            continue
+        costs = out.setdefault(int(r["batch"]), {})
+        budget = 0 if r["method"] == "autoregressive" else r["budget"]
+        if budget == "auto":
+            for k, b in (r.get("budget_report") or {}).items():
+                if int(k) in AUTO_BUCKETS and b["seconds"] == b["seconds"]:
+                    costs[int(k)] = b["seconds"] * 1e3  # the policy's own figures take precedence
+        elif r["method"] != "dflash" and budget in AUTO_BUCKETS and r.get("round_costs"):
+            measured = r["round_costs"]
+            if measured["measured"]:
+                costs.setdefault(budget, measured["seconds"] / measured["measured"] * 1e3)
+    for batch, costs in out.items():
+        for k in AUTO_BUCKETS:
+            smaller = [j for j in AUTO_BUCKETS if 0 < j < k and j in costs]
+            larger = [j for j in AUTO_BUCKETS if j > k and j in costs]
+            if k not in costs and k > 0 and (smaller or larger):
+                costs[k] = costs[smaller[-1]] if smaller else costs[larger[0]]
+        if any(k not in costs for k in AUTO_BUCKETS):
+            raise ValueError(f"{path}: no cost for buckets {[k for k in AUTO_BUCKETS if k not in costs]} "
+                             f"at batch {batch}, temperature {temperature:g}")  # fmt: skip
+        out[batch] = dict(sorted(costs.items()))
+    return dict(sorted(out.items()))
 
 
 def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -> dict:
