@@ -3,7 +3,8 @@
 prompts with every round at the largest bucket, and per request and round the script keeps the
 committed tokens a tree of each bucket would have given (the first k nodes of a best-first tree are
 the tree of bucket k, and the accepted path's node indices grow along it, so its nodes up to k are what
-that tree accepts; the target's token at each node is the same) and the draft's sums S at each bucket.
+that tree accepts; the target's token at each node is the same) and the draft's sums S at each bucket;
+greedy, also what DFlash's chain would have committed (from the chain's nodes in the same tree).
 
     python scripts/record_acceptance_traces.py [--prompts 16] [--new-tokens 128] [--out out/traces.json]
 """
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from kdtree_engine.assets import KIMI_NANO
-from kdtree_engine.bench.auto_sim import counts_at_buckets
+from kdtree_engine.bench.auto_sim import chain_count, counts_at_buckets
 from kdtree_engine.bench.e2e_nano import drafter_path, nano_drafter, nano_prompts
 from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, loop
 from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
@@ -30,7 +31,9 @@ TOP = AUTO_BUCKETS[-1]
 
 def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) -> list[list[dict]]:
     """Per request, its rounds: {"counts": tokens per bucket, "sums": S per bucket} at AUTO_BUCKETS (the
-    round's report, engine.budget.round_report, less the chain's column where the drafter has one)."""
+    round's report, engine.budget.round_report, less the chain's column where the drafter has one); at
+    temperature 0 with a drafter that has a chain bucket, also {"chain": {"count", "censored", "sum"}}:
+    what the chain would have committed on the round (auto_sim.chain_count) and its S."""
     traces: list[list[dict]] = [[] for _ in prompts]
     pick, accept, choose, report = (
         BudgetPolicy.pick,
@@ -46,6 +49,7 @@ def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) 
 
     def kept(self, tree, logits):
         last["accept"] = choose(self, tree, logits)
+        last["targets"] = logits.argmax(dim=-1)  # the greedy target's token at each node
         return last["accept"]
 
     def reported(*args, **kwargs):
@@ -57,10 +61,18 @@ def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) 
         accept(self, n)
         columns = [self.buckets.index(k) for k in AUTO_BUCKETS]
         sums = last["report"][:, columns].tolist()
+        chain = self.chain is not None and config.sampling.greedy
+        if chain:
+            tree, top1 = self.trees[n], self.topk[n][1][..., 0].numpy()
+            chain_sums = last["report"][:, self.buckets.index(self.chain)].tolist()
         for b, on in enumerate(active):
             if on:
                 counts = counts_at_buckets(last["accept"].accepted[b].numpy())
                 traces[b].append({"counts": counts, "sums": sums[b]})
+                if chain:  # what the chain would have committed, from the same round's nodes
+                    count, censored = chain_count(tree.parents[b].numpy(), tree.tokens[b].numpy(),
+                                                  last["targets"][b].numpy(), top1[b])  # fmt: skip
+                    traces[b][-1]["chain"] = {"count": count, "censored": censored, "sum": chain_sums[b]}
 
     BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = largest, recorded, kept
     loop.round_report = reported
@@ -91,6 +103,12 @@ def main() -> None:
         mean = np.mean([r["counts"] for t in traces for r in t], axis=0)
         print(f"temperature {temperature:g}: {sum(map(len, traces))} rounds; mean committed per bucket "
               + " ".join(f"{k}:{m:.2f}" for k, m in zip(AUTO_BUCKETS, mean)))  # fmt: skip
+        chains = [r["chain"] for t in traces for r in t if "chain" in r]
+        if chains:
+            count, censored = np.mean([c["count"] for c in chains]), np.mean([c["censored"] for c in chains])
+            print(
+                f"  the chain: mean committed {count:.2f}, censored {censored:.3f} of rounds (a lower bound)"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out))
     print(f"wrote {args.out}")

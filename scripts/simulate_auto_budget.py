@@ -11,7 +11,8 @@ each request has left, so it has no static call's test): the rule alone. --trace
 recorded acceptance (scripts/record_acceptance_traces.py) at batch 1, 4, 16 and 64, temperature 0
 and 1, instead of the model's settings; --costs takes their round costs from a GPU run of `bench e2e
 --target nano --auto` (auto_sim.costs_from_bench: the policy's own median per bucket, at temperature
-0), in place of the illustrative tables.
+0), in place of the illustrative tables; --chain 15 adds DFlash's chain of 15 nodes to the buckets where
+the traces hold its counts (temperature 0; record_acceptance_traces.py records them).
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ def main() -> None:
         "--traces", type=Path, help="recorded acceptance to replay (record_acceptance_traces.py)"
     )
     parser.add_argument("--costs", type=Path, help="a bench e2e --target nano --auto result (e2e_nano.json)")
+    parser.add_argument(
+        "--chain", type=int, help="DFlash's chain of this many nodes among the buckets (greedy traces)"
+    )
     args = parser.parse_args()
     if args.costs and not args.traces:
         parser.error("--costs needs --traces")
     costs = costs_from_bench(args.costs) if args.costs else None
     rows = []
-    for sc in trace_scenarios(args.traces, costs) if args.traces else SCENARIOS:
+    if args.chain and not args.traces:
+        parser.error("--chain needs --traces")
+    for sc in trace_scenarios(args.traces, costs, args.chain) if args.traces else SCENARIOS:
         r = compare(sc, seeds=args.seeds, static=not args.refilled)
         rates = r["rates"]
         picks = " ".join(f"{k}:{n}" for k, n in r["picks"].items())

@@ -4,6 +4,7 @@ it, settles on autoregressive decoding when every tree is dear and on speculatio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -124,6 +125,35 @@ def test_traces_replay_by_text_position(tmp_path):
     assert auto_sim.run_call(sc, 0, 0)["rounds"] == 11
 
 
+def test_traces_with_the_chain_replay_its_rounds_and_tell_its_sums(tmp_path):
+    """Greedy traces holding the chain's counts: the scenarios get the chain's bucket (its cost bucket
+    16's unless given), a tree round tells the chain's S but not its count, the chain's round its own
+    count and S only; traces without the chain keep the tree buckets; fixed and auto calls run."""
+    chain = [{"count": 4, "censored": False, "sum": 2.5}, {"count": 2, "censored": True, "sum": 1.0}]
+    rounds = [{"counts": [1, 2, 3, 3, 3, 3], "sums": [0, 1, 2, 2, 2, 2], "chain": chain[0]},
+              {"counts": [1, 1, 1, 2, 4, 5], "sums": [0, 0.5, 1, 1.5, 3, 4], "chain": chain[1]}]  # fmt: skip
+    plain = [{k: v for k, v in r.items() if k != "chain"} for r in rounds]
+    path = tmp_path / "traces.json"
+    data = {"buckets": list(AUTO_BUCKETS), "temperatures": {"0": [rounds], "1": [plain]}}
+    path.write_text(json.dumps(data))
+    scenarios = auto_sim.trace_scenarios(path, {1: COSTS}, chain=15)
+    greedy, sampled = scenarios
+    assert greedy.buckets == (0, 4, 8, 15, 16, 32, 64) and greedy.costs_ms[15] == COSTS[16]
+    assert sampled.buckets == AUTO_BUCKETS and "chain" in greedy.name and "chain" not in sampled.name
+    reqs = auto_sim._Requests(np.zeros(1), np.zeros(1), trace=np.array([0]), offset=np.array([0]))
+    reqs.committed[:] = 1  # text position 0: the first round
+    counts, sums, would = auto_sim._trace_round(greedy, reqs, 15)
+    assert counts.tolist() == [4] and sums[0, 3] == 2.5 and would[0, 3] == 4
+    assert np.isnan(np.delete(sums[0], 3)).all() and np.isnan(np.delete(would[0], 3)).all()
+    counts, sums, would = auto_sim._trace_round(greedy, reqs, 16)
+    assert (
+        counts.tolist() == [3] and sums[0].tolist()[:5] == [0, 1, 2, 2.5, 2] and np.isnan(sums[0, 5:]).all()
+    )
+    assert np.isnan(would[0, [0, 3, 5, 6]]).all() and would[0, [1, 2, 4]].tolist() == [2, 3, 3]
+    r = auto_sim.compare(dataclasses.replace(greedy, tokens=24), calls=2, seeds=1)
+    assert "bucket 15" in r["rates"] and r["rates"]["auto"] > 0
+
+
 def test_recorded_traces_hold_a_round_per_commit_at_every_tree_bucket():
     """scripts/record_acceptance_traces.py on a tiny pair whose drafter has a chain bucket (L = 7): per
     request, rounds whose largest-bucket counts add up to its tokens, S and counts at the tree buckets
@@ -163,9 +193,10 @@ def _bench_row(method, budget, batch, temperature=0.0, measured=None, report=Non
 
 
 def test_costs_from_a_bench_run_prefer_the_policys_own_then_the_fixed_rows(tmp_path):
-    """auto's median per bucket first, then each fixed row's measured rounds (bucket 0: plain decoding),
-    a bucket without either the nearest smaller tree's (4 the nearest larger); DFlash and other
-    temperatures ignored; a bucket no row tells is a ValueError naming the file."""
+    """auto's median per bucket first (the chain's included), then each fixed row's measured rounds
+    (bucket 0: plain decoding; the chain: DFlash's), a tree bucket without either the nearest smaller
+    tree's (4 the nearest larger); other temperatures ignored; a bucket no row tells is a ValueError
+    naming the file."""
     nan = float("nan")
     rows = [
         _bench_row("autoregressive", 32, 1, measured=(10, 0.005)),
@@ -179,9 +210,56 @@ def test_costs_from_a_bench_run_prefer_the_policys_own_then_the_fixed_rows(tmp_p
     path = tmp_path / "e2e_nano.json"
     path.write_text(json.dumps({"header": "", "rows": rows}))
     costs = auto_sim.costs_from_bench(path)
-    assert list(costs) == [1, 4] and list(costs[1]) == list(AUTO_BUCKETS)
-    assert costs[1] == pytest.approx({0: 0.6, 4: 1.125, 8: 1.125, 16: 1.2, 32: 1.5, 64: 2.0})
+    assert list(costs) == [1, 4] and list(costs[1]) == sorted((*AUTO_BUCKETS, 15))
+    assert costs[1] == pytest.approx({0: 0.6, 4: 1.125, 8: 1.125, 15: 0.9, 16: 1.2, 32: 1.5, 64: 2.0})
     assert costs[4] == pytest.approx({0: 0.6, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.5, 64: 2.0})
     path.write_text(json.dumps({"header": "", "rows": rows[-1:]}))  # no step measured at batch 4
     with pytest.raises(ValueError, match="e2e_nano.json: no cost for buckets \\[0\\]"):
         auto_sim.costs_from_bench(path)
+
+
+def _path_target(path: tuple[int, ...], chain: list[int], vocab: int, salt: int) -> int:
+    """A greedy target that is a function of the token path alone (as a model's argmax is): it follows
+    the draft's chain for a while, then a hash of the path."""
+    d = len(path)
+    if d < len(chain) and path == tuple(chain[:d]) and hash((path, salt)) % 5:
+        return chain[d]
+    return hash((path, salt)) % vocab
+
+
+def _tree_targets(tree, r: int, chain: list[int], vocab: int) -> list[int]:
+    """_path_target at every node of request r's tree (the root's path empty)."""
+    paths: list[tuple[int, ...]] = [()]
+    for j in range(1, tree.tokens.shape[1] + 1):
+        p = int(tree.parents[r, j])
+        paths.append(paths[p] + (int(tree.tokens[r, j - 1]),) if p >= 0 else ())
+    return [_path_target(p, chain, vocab, salt=r) for p in paths]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chain_count_from_a_tree_round_is_the_chains_own_unless_censored(seed):
+    """chain_count on a best-first tree equals the chain tree's own greedy acceptance against a target
+    that depends on the path only; where censored it is a lower bound. Small trees (censoring) and a
+    tree of 64 nodes."""
+    import torch
+
+    from kdtree_engine.engine.loop import chain_of
+    from kdtree_engine.tree import accept_greedy, build_tree, logits_topk
+
+    gen = torch.Generator().manual_seed(seed)
+    b, depth, vocab = 12, 7, 10
+    logits = torch.randn(b, depth, vocab, generator=gen) * 2
+    outcomes = set()
+    for n in (4, 16, 64):
+        lp, ids = logits_topk(logits, n, impl="ref")
+        tree, chain_tree = build_tree(lp, ids, n, impl="ref"), chain_of(ids[..., 0])
+        for r in range(b):
+            chain = ids[r, :, 0].tolist()
+            own_targets = torch.tensor([_tree_targets(chain_tree, r, chain, vocab)]).expand(b, -1)
+            want = int(accept_greedy(chain_tree, own_targets, impl="ref").accept_len[r])
+            targets = np.array(_tree_targets(tree, r, chain, vocab))
+            got, censored = auto_sim.chain_count(tree.parents[r].numpy(), tree.tokens[r].numpy(), targets,
+                                                 ids[r, :, 0].numpy())  # fmt: skip
+            assert got <= want if censored else got == want, (n, r, got, want, censored)
+            outcomes.add((censored, got > 1))
+    assert {(False, True), (False, False), (True, True)} <= outcomes  # exact, at the first position, censored

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kdtree_engine.engine.budget import AUTO_BUCKETS, STEP_ROUNDS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, STEP_ROUNDS, BudgetPolicy, auto_buckets
 
 BLOCK = 16  # the drafter's block, L + 1
 DEPTH = {4: 3, 8: 4, 16: 6, 32: 8, 64: 10}  # the deepest node of a tree of n nodes (best-first)
@@ -49,6 +49,7 @@ class Scenario:
     tokens: int = 128
     cost_noise: float = 0.03
     traces: tuple[Trace, ...] = ()  # recorded rounds to replay instead of the acceptance model
+    buckets: tuple[int, ...] = AUTO_BUCKETS  # with DFlash's chain (auto_buckets(CHAIN)) on greedy traces
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class Trace:
     starts: np.ndarray
     counts: np.ndarray
     sums: np.ndarray
+    chain_counts: np.ndarray | None = None  # [rounds]: what the chain would have committed (greedy)
+    chain_sums: np.ndarray | None = None  # [rounds]: the chain's S
 
     @property
     def length(self) -> int:
@@ -79,6 +82,27 @@ def counts_at_buckets(accepted: np.ndarray) -> list[int]:
     return [1 + int((path <= k).sum()) for k in AUTO_BUCKETS]
 
 
+def chain_count(
+    parents: np.ndarray, tokens: np.ndarray, targets: np.ndarray, top1: np.ndarray
+) -> tuple[int, bool]:
+    """What DFlash's chain (the top-1 token of each drafted position, one under the other) would have
+    committed on a greedy round verified as a best-first tree: parents [n + 1] and tokens [n] (node i +
+    1's) of the tree, targets [n + 1] the target's argmax at each node, top1 [L] the draft's top-1 per
+    position. The chain accepts position d while the target's token at its node d - 1 is top1[d - 1];
+    those nodes are the tree's as far as it holds them, so the count is exact until the chain runs past
+    the tree's nodes. -> (count, censored): censored when the chain had accepted every position the tree
+    holds and the next one is not in it (count is then a lower bound)."""
+    child = {(int(p), int(t)): j for j, (p, t) in enumerate(zip(parents[1:], tokens), start=1) if p >= 0}
+    node = 0
+    for d, token in enumerate(top1.tolist(), start=1):
+        if int(targets[node]) != token:
+            return d, False  # d - 1 accepted, then the target's own token
+        node = child.get((node, token), -1)
+        if node < 0:  # position d accepted; what follows is not in the tree (unless d was the last)
+            return d + 1, d < len(top1)
+    return len(top1) + 1, False
+
+
 def load_traces(path, temperature: str) -> tuple[Trace, ...]:
     """The traces of one temperature ("0", "1") from a file written by
     scripts/record_acceptance_traces.py (recorded at the largest bucket, so each round's start
@@ -93,7 +117,12 @@ def load_traces(path, temperature: str) -> tuple[Trace, ...]:
         counts = np.array([r["counts"] for r in rounds], dtype=np.int64)
         sums = np.array([r["sums"] for r in rounds], dtype=np.float64)
         starts = np.concatenate([[0], np.cumsum(counts[:-1, -1])])
-        out.append(Trace(starts, counts, sums))
+        chain = [r["chain"] for r in rounds if "chain" in r]
+        if len(chain) == len(rounds):
+            chain_counts = np.array([c["count"] for c in chain], dtype=np.int64)
+            out.append(Trace(starts, counts, sums, chain_counts, np.array([c["sum"] for c in chain])))
+        else:
+            out.append(Trace(starts, counts, sums))
     return tuple(out)
 
 
@@ -122,19 +151,35 @@ def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
 
 
 def _trace_round(sc: Scenario, reqs: _Requests, n: int) -> tuple[np.ndarray, ...]:
-    """_round from the traces: each request's recorded round at its text position."""
-    j = AUTO_BUCKETS.index(n)
+    """_round from the traces: each request's recorded round at its text position. With the chain among
+    sc.buckets: a tree round also tells the chain's S; the chain's round tells its own count and S."""
+    buckets, chain = sc.buckets, _chain(sc.buckets)
     counts = np.ones(sc.batch, dtype=np.int64)
-    sums = np.full((sc.batch, len(AUTO_BUCKETS)), np.nan)
-    would = np.full((sc.batch, len(AUTO_BUCKETS)), np.nan)
+    sums = np.full((sc.batch, len(buckets)), np.nan)
+    would = np.full((sc.batch, len(buckets)), np.nan)
+    trees = [j for j, k in enumerate(buckets) if k != chain]  # the columns of AUTO_BUCKETS, in order
     for b in range(sc.batch):
         trace = sc.traces[reqs.trace[b]]
         r = trace.at(int(reqs.offset[b] + reqs.committed[b] - 1))
+        if n == chain:
+            counts[b] = trace.chain_counts[r]
+            sums[b, buckets.index(chain)] = trace.chain_sums[r]
+            would[b, buckets.index(chain)] = counts[b]
+            continue
+        j = AUTO_BUCKETS.index(n)
         counts[b] = trace.counts[r, j]
         if n:
-            sums[b, : j + 1] = trace.sums[r, : j + 1]
-            would[b, 1 : j + 1] = trace.counts[r, 1 : j + 1]
+            told = [trees[i] for i in range(j + 1)]
+            sums[b, told] = trace.sums[r, : j + 1]
+            would[b, told[1:]] = trace.counts[r, 1 : j + 1]
+            if chain is not None:
+                sums[b, buckets.index(chain)] = trace.chain_sums[r]
     return counts, sums, would
+
+
+def _chain(buckets: tuple[int, ...]) -> int | None:
+    """The chain's bucket among `buckets` (the one not in AUTO_BUCKETS), or None."""
+    return next((k for k in buckets if k not in AUTO_BUCKETS), None)
 
 
 def _step_acceptance(logit: np.ndarray, n: int) -> np.ndarray:
@@ -147,6 +192,8 @@ def _round(sc: Scenario, reqs: _Requests, n: int, rng: np.random.Generator) -> t
     Advances the difficulties."""
     if sc.traces:
         return _trace_round(sc, reqs, n)
+    if sc.buckets != AUTO_BUCKETS:
+        raise ValueError("buckets: the acceptance model has no chain (replay traces recorded with it)")
     b = sc.batch
     buckets = AUTO_BUCKETS
     sums = np.full((b, len(buckets)), np.nan)
@@ -244,24 +291,33 @@ SCENARIOS = (
 COSTS_BY_BATCH = {1: B1, 4: B4, 16: B16, 64: B64}
 
 
-def trace_scenarios(path, costs_by_batch: dict[int, dict[int, float]] | None = None) -> tuple[Scenario, ...]:
+def trace_scenarios(path, costs_by_batch: dict[int, dict[int, float]] | None = None,
+                    chain: int | None = None) -> tuple[Scenario, ...]:  # fmt: skip
     """Batch 1, 4, 16 and 64 (or the batches of costs_by_batch) at temperature 0 and 1 replaying the
-    recorded traces, with the cost tables above or costs_by_batch (costs_from_bench)."""
+    recorded traces, with the cost tables above or costs_by_batch (costs_from_bench). chain: DFlash's
+    chain of that many nodes among the buckets where the traces hold its counts (greedy), costing what
+    its run measured or else what bucket 16 costs (the same drafter, a verify of one token less)."""
     out = []
     for temperature in ("0", "1"):
         traces = load_traces(path, temperature)
+        with_chain = chain is not None and all(t.chain_counts is not None for t in traces)
+        buckets = auto_buckets(chain) if with_chain else AUTO_BUCKETS
         for batch, costs in (costs_by_batch or COSTS_BY_BATCH).items():
             name = f"batch {batch}, kimi-nano traces, temperature {temperature}"
-            out.append(Scenario(name, batch, costs, traces=traces))
+            if with_chain:
+                costs = {**costs, chain: costs.get(chain, costs[16])}
+                name += f", chain {chain}"
+            out.append(Scenario(name, batch, costs, traces=traces, buckets=buckets))
     return tuple(out)
 
 
 def costs_from_bench(path, temperature: float = 0.0) -> dict[int, dict[int, float]]:
-    """The round costs (ms per bucket of AUTO_BUCKETS) a GPU run measured, per batch, from a
-    `bench e2e --target nano --auto` result (e2e_nano.json): each bucket's median cost as the auto
-    row's policy held it (its autoregressive step feeds the drafter, as the simulated one does), else
-    the fixed budget's row (its measured rounds' mean; bucket 0: plain decoding's), else the nearest
-    smaller tree bucket's. ValueError naming `path` where a batch has neither for some bucket."""
+    """The round costs a GPU run measured (ms per bucket of AUTO_BUCKETS, and of DFlash's chain where
+    measured), per batch, from a `bench e2e --target nano --auto` result (e2e_nano.json): each bucket's
+    median cost as the auto row's policy held it (its autoregressive step feeds the drafter, as the
+    simulated one does), else the fixed budget's row (its measured rounds' mean; bucket 0: plain
+    decoding's; the chain: DFlash's), else the nearest smaller tree bucket's. ValueError naming `path`
+    where a batch has none of these for a tree bucket or the step."""
     rows = json.loads(Path(path).read_text())["rows"]
     out: dict[int, dict[int, float]] = {}
     for r in rows:
@@ -271,9 +327,9 @@ def costs_from_bench(path, temperature: float = 0.0) -> dict[int, dict[int, floa
         budget = 0 if r["method"] == "autoregressive" else r["budget"]
         if budget == "auto":
             for k, b in (r.get("budget_report") or {}).items():
-                if int(k) in AUTO_BUCKETS and b["seconds"] == b["seconds"]:
+                if b["seconds"] == b["seconds"]:
                     costs[int(k)] = b["seconds"] * 1e3  # the policy's own figures take precedence
-        elif r["method"] != "dflash" and budget in AUTO_BUCKETS and r.get("round_costs"):
+        elif isinstance(budget, int) and r.get("round_costs"):  # DFlash's row: the chain of L = budget
             measured = r["round_costs"]
             if measured["measured"]:
                 costs.setdefault(budget, measured["seconds"] / measured["measured"] * 1e3)
@@ -296,12 +352,12 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -
     calibration), the last call of each group timed."""
     total = sc.batch * sc.tokens
     rates: dict[str, float] = {}
-    for k in AUTO_BUCKETS:
+    for k in sc.buckets:
         t = sum(run_call(sc, 1000 * s + calls - 1, k)["seconds"] for s in range(seeds))
         rates["autoregressive" if k == 0 else f"bucket {k}"] = seeds * total / t
     t, picks = 0.0, []
     for s in range(seeds):
-        policy = BudgetPolicy(AUTO_BUCKETS, STEP_ROUNDS * BLOCK)
+        policy = BudgetPolicy(sc.buckets, STEP_ROUNDS * BLOCK)
         for c in range(calls):
             policy.new_call()
             out = run_call(sc, 1000 * s + c, None, policy, static)
@@ -309,6 +365,6 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -
         picks += out["picks"]
     rates["auto"] = seeds * total / t
     best = max((v, k) for k, v in rates.items() if k != "auto")
-    hist = {k: picks.count(k) for k in AUTO_BUCKETS if picks.count(k)}
+    hist = {k: picks.count(k) for k in sc.buckets if picks.count(k)}
     return {"rates": rates, "best": best[1], "auto_over_best": rates["auto"] / best[0],
             "auto_over_ar": rates["auto"] / rates["autoregressive"], "picks": hist}  # fmt: skip
