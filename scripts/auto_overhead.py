@@ -4,7 +4,8 @@ call that compiles and captures and one more), for a fixed budget k and for budg
 k every round, with its policy's host work (pick and observe) kept, and without it (pick returns k at
 once, observe does nothing), then auto itself. Where auto picking k costs more than budget k, the
 difference is the machinery (its graphs, the wider copy, the policy's host work), not the choice; the
-measured rounds' sum (stats.round_seconds) against the call tells how much of a call lies outside them.
+measured rounds' sum (stats.round_seconds) against the call tells how much of a call lies outside them,
+and a stage-timed call each stage's time per round (the report runs in the accept stage).
 
     python scripts/auto_overhead.py [--batch 1 4 16] [--budgets 16 32] [--calls 5]
 """
@@ -48,7 +49,8 @@ def measure(target, drafter, group, budget, calls: int, new_tokens: int) -> dict
                               sampling=SamplingParams(temperature=0.0))  # fmt: skip
     runner = Runner(target, drafter, config, batch_size=len(group), prompt_len=max(map(len, group)))
     runner.generate(group)
-    runner.generate(group)
+    staged = runner.generate(group, stage_timing=True).stats  # each stage's time per round
+    stages = {k: v / staged.rounds * 1e3 for k, v in staged.stage_times.items() if k != "prefill"}
     walls, rounds, measured = [], [], []
     for _ in range(calls):
         stats = runner.generate(group).stats
@@ -56,7 +58,7 @@ def measure(target, drafter, group, budget, calls: int, new_tokens: int) -> dict
         rounds.append(stats.rounds)
         measured.append(sum(s for s in stats.round_seconds if s == s) * 1e3)
     return {"call": statistics.median(walls), "rounds": statistics.median(rounds),
-            "measured": statistics.median(measured)}  # fmt: skip
+            "measured": statistics.median(measured), "stages": stages}  # fmt: skip
 
 
 def main() -> None:
@@ -71,8 +73,10 @@ def main() -> None:
     target = load_model(KIMI_NANO, dtype=dtype, device=device)
     drafter, _ = nano_drafter(drafter_path(None), target, load_tokenizer(KIMI_NANO).token_id("<|mask|>"))
     prompts = nano_prompts(8)
-    print("| batch | run | call ms | rounds | measured rounds ms | rest ms |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| batch | run | call ms | rounds | measured rounds ms | rest ms | stage ms per round (stage-timed) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for batch in args.batch:
         group = prompt_batches(prompts, batch)[0]
         settings = [(f"budget {k}", k, None, True) for k in args.budgets]
@@ -82,8 +86,9 @@ def main() -> None:
         for name, budget, bucket, host_work in settings:
             script_policy(bucket, host_work)
             r = measure(target, drafter, group, budget, args.calls, args.new_tokens)
+            stages = ", ".join(f"{k} {v:.3f}" for k, v in r["stages"].items())
             print(f"| {batch} | {name} | {r['call']:.2f} | {r['rounds']:.0f} | {r['measured']:.2f} | "
-                  f"{r['call'] - r['measured']:.2f} |", flush=True)  # fmt: skip
+                  f"{r['call'] - r['measured']:.2f} | {stages} |", flush=True)  # fmt: skip
         script_policy(None, True)
 
 
