@@ -27,7 +27,7 @@ def _report_kernel(
     ids_ptr,  # [B, L, K] int64 their token ids
     tok_ptr,  # [B, n] node tokens (-1 unused)
     dep_ptr,  # [B, n] node depths, 1-based
-    vis_ptr,  # [B, n + 1, n + 1] bool visibility (row 0 the root)
+    vis_ptr,  # [B, n + 1, n + 1] int8: the bool visibility viewed as bytes (row 0 the root)
     acc_ptr,  # [B, W] accepted node indices (root first, -1 padded)
     sum_code_ptr,  # [NB] int32: k >= 0 the first k nodes' sum, -2 the chain's S, -1 NaN
     would_code_ptr,  # [NB] int32: k >= 1 1 + the accepted nodes of index <= k, else NaN
@@ -120,7 +120,8 @@ def round_report(
     if b == 0:
         return out
     _report_kernel[(b,)](
-        top_logprobs, top_ids, tree.tokens, tree.depths, visibility, accepted, sum_codes, would_codes, out,
+        top_logprobs, top_ids, tree.tokens, tree.depths, visibility.view(torch.int8), accepted, sum_codes,
+        would_codes, out,
         n, depth, k, width, nb,
         *top_logprobs.stride(), *top_ids.stride(), *tree.tokens.stride(), *tree.depths.stride(),
         *visibility.stride(), *accepted.stride(), out.stride(0),
