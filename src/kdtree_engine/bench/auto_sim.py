@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kdtree_engine.engine.budget import AUTO_BUCKETS, STEP_ROUNDS, BudgetPolicy, auto_buckets
+from kdtree_engine.engine.budget import AUTO_BUCKETS, STEP_ROUNDS, BudgetPolicy, auto_buckets, chain_bucket
 
 BLOCK = 16  # the drafter's block, L + 1
 DEPTH = {4: 3, 8: 4, 16: 6, 32: 8, 64: 10}  # the deepest node of a tree of n nodes (best-first)
@@ -153,7 +153,7 @@ def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
 def _trace_round(sc: Scenario, reqs: _Requests, n: int) -> tuple[np.ndarray, ...]:
     """_round from the traces: each request's recorded round at its text position. With the chain among
     sc.buckets: a tree round also tells the chain's S; the chain's round tells its own count and S."""
-    buckets, chain = sc.buckets, _chain(sc.buckets)
+    buckets, chain = sc.buckets, chain_bucket(sc.buckets)
     counts = np.ones(sc.batch, dtype=np.int64)
     sums = np.full((sc.batch, len(buckets)), np.nan)
     would = np.full((sc.batch, len(buckets)), np.nan)
@@ -175,11 +175,6 @@ def _trace_round(sc: Scenario, reqs: _Requests, n: int) -> tuple[np.ndarray, ...
             if chain is not None:
                 sums[b, buckets.index(chain)] = trace.chain_sums[r]
     return counts, sums, would
-
-
-def _chain(buckets: tuple[int, ...]) -> int | None:
-    """The chain's bucket among `buckets` (the one not in AUTO_BUCKETS), or None."""
-    return next((k for k in buckets if k not in AUTO_BUCKETS), None)
 
 
 def _step_acceptance(logit: np.ndarray, n: int) -> np.ndarray:
@@ -329,7 +324,7 @@ def costs_from_bench(path, temperature: float = 0.0) -> dict[int, dict[int, floa
             for k, b in (r.get("budget_report") or {}).items():
                 if b["seconds"] == b["seconds"]:
                     costs[int(k)] = b["seconds"] * 1e3  # the policy's own figures take precedence
-        elif isinstance(budget, int) and r.get("round_costs"):  # DFlash's row: the chain of L = budget
+        elif isinstance(budget, int) and r.get("round_costs"):  # a fixed budget, AR (0) or DFlash (L)
             measured = r["round_costs"]
             if measured["measured"]:
                 costs.setdefault(budget, measured["seconds"] / measured["measured"] * 1e3)

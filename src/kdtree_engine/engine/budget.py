@@ -159,12 +159,23 @@ def round_sums(
     return torch.stack(columns, dim=1)
 
 
+def chain_bucket(buckets: Sequence[int]) -> int | None:
+    """DFlash's chain among the auto budget's `buckets` (auto_buckets: the one not in AUTO_BUCKETS), or
+    None."""
+    return next((k for k in buckets if k not in AUTO_BUCKETS), None)
+
+
 def smaller_trees(buckets: Sequence[int], n: int, chain: int | None) -> list[int]:
     """The tree buckets below bucket n whose counts a round of n tells (would_commit): every k with
     0 < k < n but the chain's; none for the chain's own round (the chain is no tree's prefix)."""
     if n == chain:
         return []
     return [k for k in buckets if 0 < k < n and k != chain]
+
+
+def told_counts(buckets: Sequence[int], n: int, chain: int | None) -> set[int]:
+    """The buckets whose committed tokens a round of bucket n tells: its own and its smaller trees'."""
+    return {n, *smaller_trees(buckets, n, chain)}
 
 
 def would_commit(accepted: torch.Tensor, buckets: Sequence[int], n: int, chain: int | None) -> torch.Tensor:
@@ -177,7 +188,7 @@ def would_commit(accepted: torch.Tensor, buckets: Sequence[int], n: int, chain: 
     (its nodes need not be in the tree). Device ops only."""
     nodes = accepted[:, 1:]
     nan = nodes.new_full((nodes.shape[0],), float("nan"), dtype=torch.float32)
-    told = {n, *smaller_trees(buckets, n, chain)}
+    told = told_counts(buckets, n, chain)
     columns = []
     for k in buckets:
         if k in told:
@@ -207,7 +218,7 @@ def report_codes(buckets: Sequence[int], n: int, chain: int | None, device: torc
         sums = [n if k == chain else -1 for k in buckets]
     else:
         sums = [-2 if k == chain else (k if k <= n else -1) for k in buckets]
-    told = {n, *smaller_trees(buckets, n, chain)}
+    told = told_counts(buckets, n, chain)
     would = [k if k in told else -1 for k in buckets]
     codes = torch.tensor([sums, would], dtype=torch.int32, device=device)
     return ReportCodes(tuple(buckets), n, chain, codes[0], codes[1])
@@ -551,7 +562,7 @@ class BudgetPolicy:
         self.costs = CostTable(self.buckets)
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
-        chain = next((k for k in self.buckets if k not in AUTO_BUCKETS), None)  # DFlash's chain, if any
+        chain = chain_bucket(self.buckets)
         # per bucket index: the indices of the smaller trees whose counts its round tells
         self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip

@@ -43,6 +43,7 @@ from kdtree_engine.engine.budget import (
     BudgetPolicy,
     ReportCodes,
     auto_buckets,
+    chain_bucket,
     report_codes,
     round_report,
 )
@@ -266,7 +267,7 @@ class _Stages:
         auto = run.config.auto_budget
         chain_nodes = run.drafter.block_size - 1 if auto else None
         self.buckets = auto_buckets(chain_nodes) if auto else (run.budget,)
-        self.chain = chain_nodes if auto and chain_nodes in self.buckets else None  # DFlash's chain
+        self.chain = chain_bucket(self.buckets) if auto else None  # DFlash's chain
         self.step_tail = None  # auto budget: what an autoregressive step's copy holds past its token
         if auto:
             self.codes = {n: report_codes(self.buckets, n, self.chain, device) for n in self.buckets if n}
