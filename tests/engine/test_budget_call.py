@@ -70,14 +70,20 @@ def _measured(policy: BudgetPolicy, costs: dict[int, float]) -> None:
             policy.costs.observe(k, seconds)
 
 
-def _policy_after_a_round(costs: dict[int, float], batch: int, accepted: float) -> BudgetPolicy:
-    """A policy that has every bucket's cost and has read one bucket-8 round per request of `batch`."""
+def _policy_after_a_round(costs: dict[int, float], batch: int, accepted: float, rounds: int = 1,
+                          spread: float = 0.0) -> BudgetPolicy:  # fmt: skip
+    """A policy that has every bucket's cost and has read `rounds` bucket-8 rounds of `batch` requests,
+    each request accepting `accepted` drafted tokens on average, `spread` more and less in turn, and
+    bucket 4 half as many on the same drafts."""
     policy = BudgetPolicy(AUTO_BUCKETS, depth=64)
     _measured(policy, costs)
     rows = list(range(batch))
-    policy.pick([True] * batch, must_draft=True)
     sums = np.tile([0.0, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
-    policy.observe(8, None, rows, [1 + accepted] * batch, sums)
+    for r in range(rounds):
+        policy.pick([True] * batch, must_draft=True)
+        got = accepted + spread * np.where((np.arange(batch) + r) % 2 == 0, 1.0, -1.0)
+        would = np.stack([np.ones(batch), 1 + got / 2, 1 + got] + [np.full(batch, np.nan)] * 3, axis=1)
+        policy.observe(8, None, rows, 1 + got, sums, would)
     return policy
 
 
@@ -85,7 +91,7 @@ def test_a_static_call_steps_when_steps_end_it_soonest():
     """Trees commit a little more per second than steps, summed over the requests (the rule alone
     drafts), but at 64 requests their spread makes the last one finish later than 127 steps would."""
     costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
-    policy = _policy_after_a_round(costs, 64, accepted=1.2)
+    policy = _policy_after_a_round(costs, 64, accepted=1.2, rounds=40, spread=1.2)  # known well
     active = [True] * 64
     assert policy.pick(active, must_draft=False) != 0  # refilled rows: the rule alone
     policy.pending.clear()
@@ -104,6 +110,23 @@ def test_a_decisive_answer_for_steps_gives_the_call_to_steps():
     assert [policy.pick(active, must_draft=True, remaining=[k] * 4) for k in (119, 20, 1)] == [0, 0, 0]
     policy.new_call()
     assert not policy.stepping
+
+
+def test_a_tree_known_from_few_rounds_is_explored_before_steps_take_over():
+    """Steps beat bucket 8 at its estimate from two rounds of one request, not at its upper bound (the
+    estimate plus EXPLORE_SDS standard errors): the rule drafts where it would have stepped, and a
+    static call steps but is not given to steps (its later rounds may still draft and teach the
+    estimate; without the bound both would step for good: steps teach nothing about trees). Many
+    rounds of the same evidence shrink the bound: the rule steps, the call is given to steps."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = _policy_after_a_round(costs, 1, accepted=0.6, rounds=2)
+    ybar, _ = policy.calibration.long_run()
+    assert (1 + ybar[2]) / costs[8] < 1 / costs[0] < (1 + ybar[2] + policy.calibration.bonus()[2]) / costs[8]
+    assert policy.pick([True], must_draft=False) != 0
+    assert policy.pick([True], must_draft=False, remaining=[120]) == 0 and not policy.stepping
+    policy = _policy_after_a_round(costs, 1, accepted=0.6, rounds=400)
+    assert policy.pick([True], must_draft=False) == 0
+    assert policy.pick([True], must_draft=False, remaining=[120]) == 0 and policy.stepping
 
 
 def test_a_static_call_drafts_when_trees_pay_for_their_tail():

@@ -52,6 +52,16 @@ steady bucket only for a round whose extra tokens pay for its extra time. In a s
 call (generate(): the engine passes each request's tokens left), first the static call's test
 (engine.budget_call): an autoregressive step whenever steps alone would end the call sooner than any
 bucket used for every round from here, the last request's tail counted.
+
+Exploring against steps. An autoregressive step teaches nothing about the trees, so a tree bucket whose
+estimate came out low from a few unlucky rounds (a call's first rounds, at the start of its texts)
+could keep the policy stepping for good. So every tree bucket's accepted drafted tokens also have an
+upper bound, EXPLORE_SDS standard errors above the estimate (`Calibration.bonus`), and where the rule
+picks a step while steps are also its steady choice, it drafts instead if a tree is the steady choice
+at the upper bounds; the static call's test gives a call to steps (no draft until it ends) only if
+steps win decisively against the upper bounds too, while its round-by-round answer uses the estimates
+(optimism there, against a batch's tail, costs a batch of 64 that steps best its extra trees). Among
+trees the estimates stay as they are (optimism there buys rounds of the larger, costlier buckets).
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ PRIOR_PAIRS = 4.0  # pseudo-pairs of the calibrated prediction in a bucket's mea
 SLOPE_PAIRS = 16.0  # pairs at which a bucket's fitted slope counts half
 STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many rounds' more: AR steps in a row
 STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
+EXPLORE_SDS = 2.0  # standard errors above its estimate a tree bucket counts at against a step
 
 
 def path_probabilities(
@@ -430,6 +441,20 @@ class Calibration:
         """long_run() as lists of Python floats."""
         return self._long_run_pair()[1]
 
+    def bonus(self) -> np.ndarray:
+        """Per bucket, EXPLORE_SDS standard errors of its long-run accepted drafted tokens: the root of
+        its variance (long_run) over its pairs and PRIOR_PAIRS; 0 for bucket 0 (a step commits one
+        token, known)."""
+        _, variance = self.long_run()
+        bonus = EXPLORE_SDS * np.sqrt(variance / (self.n + PRIOR_PAIRS))
+        return np.where(self._sizes == 0, 0.0, bonus)
+
+    def optimistic_long_run(self) -> tuple[np.ndarray, np.ndarray]:
+        """long_run() with each tree bucket's accepted tokens raised by bonus(): what the trees may
+        still be worth, for weighing them against steps."""
+        ybar, variance = self.long_run()
+        return ybar + self.bonus(), variance
+
     def _long_run_pair(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[list[float], list[float]]]:
         """long_run() as arrays and as lists, kept until the next observation."""
         if self._long_run is not None:
@@ -627,10 +652,27 @@ class BudgetPolicy:
             rate = self._steady_rate(rows.size)
             picked = choose([expected[j] for j in allowed], [costs[j] for j in allowed], rate)
             j = allowed[picked]
+            if self.buckets[j] == 0:
+                j = self._explore(costs, j)
         self.pending.append(_Choice(rows, seen, per_row[:, j]))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
+
+    def _explore(self, costs: Sequence[float], step: int) -> int:
+        """The rule picked a step (index `step`). Where steps are also the steady choice (the best
+        bucket used every round, at the buckets' long-run acceptance), the tree bucket that would be the
+        steady choice with each tree's acceptance raised by its bonus, if any (module docstring,
+        "Exploring against steps"); otherwise the step (a round whose own draft promises little)."""
+        if any(c <= 0 for c in costs):
+            return step
+        ybar, _ = self.calibration.long_run()
+        rates = [(1.0 + ybar[i]) / costs[i] for i in self._drafting]
+        if max(rates) > 1.0 / costs[step]:
+            return step  # a tree is the steady choice: this round's step is the draft's call
+        optimistic = ybar + self.calibration.bonus()
+        best = max(self._drafting, key=lambda i: (1.0 + optimistic[i]) / costs[i])
+        return best if (1.0 + optimistic[best]) / costs[best] > 1.0 / costs[step] else step
 
     def _steady_rate(self, requests: int) -> float:
         """lambda of the choice (module docstring): the batch's tokens per second with the best bucket
@@ -668,10 +710,17 @@ class BudgetPolicy:
         left = np.asarray(remaining, dtype=np.float64).copy()
         for choice in self.pending:
             left[choice.rows] -= choice.expected
-        ybar, variance = self.calibration.long_run()
         pace, pace_variance = self.paces.estimate(rows)
-        seconds = steady_call_seconds(costs, np.maximum(left[rows], 1.0), ybar, variance, pace, pace_variance)
-        return self.call_test.decide(seconds, self.buckets.index(0), most)
+        left = np.maximum(left[rows], 1.0)
+        ybar, variance = self.calibration.long_run()
+        seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_variance)
+        steps = self.call_test.decide(seconds, self.buckets.index(0), most)
+        if steps and self.call_test.kept:  # decisive: the call is given to steps only if the trees'
+            ybar, variance = self.calibration.optimistic_long_run()  # upper bounds agree (module doc)
+            seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_variance)
+            if not self.call_test.decisive_steps(seconds, self.buckets.index(0)):
+                self.call_test.kept = 0
+        return steps
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
                 sums: np.ndarray | Sequence[Sequence[float]] | None,

@@ -112,6 +112,13 @@ class CallTest:
         self.kept = KEEP_ROUNDS if margin > KEEP_MARGIN else 0
         return self.answer
 
+    @staticmethod
+    def decisive_steps(seconds: np.ndarray, steps: int) -> bool:
+        """Whether steps end the call sooner than every bucket by more than KEEP_MARGIN (seconds [K]:
+        steady_call_seconds; steps: the index of bucket 0)."""
+        tree_time = seconds[np.arange(seconds.size) != steps].min()
+        return bool(tree_time > seconds[steps] * (1.0 + KEEP_MARGIN))
+
 
 @dataclass
 class Paces:
