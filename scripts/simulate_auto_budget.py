@@ -4,7 +4,7 @@ against the best of them, and the buckets auto picked. A model of rounds, not a 
 checks the policy's logic on the CPU.
 
     python scripts/simulate_auto_budget.py [--seeds 16] [--refilled] [--traces out/traces.json]
-        [--costs out/nano_auto/e2e_nano.json]
+        [--costs out/nano_auto/e2e_nano.json] [--chain 15] [--bench-prompts 8]
 
 --refilled runs the policy as for a batch whose finished rows are refilled (it is not told the tokens
 each request has left, so it has no static call's test): the rule alone. --traces replays kimi-nano's
@@ -12,7 +12,10 @@ recorded acceptance (scripts/record_acceptance_traces.py) at batch 1, 4, 16 and 
 and 1, instead of the model's settings; --costs takes their round costs from a GPU run of `bench e2e
 --target nano --auto` (auto_sim.costs_from_bench: the policy's own median per bucket, at temperature
 0), in place of the illustrative tables; --chain 15 adds DFlash's chain of 15 nodes to the buckets where
-the traces hold its counts (temperature 0; record_acceptance_traces.py records them).
+the traces hold its counts (temperature 0; record_acceptance_traces.py records them); --bench-prompts 8
+makes the requests as `bench e2e --prompts 8` does (the first 8 traces, recorded from the held-out
+prompts in order, cycled over the batch, each from its first token, the same in every call) in place
+of random traces from random text positions.
 """
 
 from __future__ import annotations
@@ -35,14 +38,22 @@ def main() -> None:
     parser.add_argument(
         "--chain", type=int, help="DFlash's chain of this many nodes among the buckets (greedy traces)"
     )
+    parser.add_argument(
+        "--bench-prompts", type=int, help="requests as bench e2e --prompts N makes them (with --traces)"
+    )
     args = parser.parse_args()
     if args.costs and not args.traces:
         parser.error("--costs needs --traces")
     costs = costs_from_bench(args.costs) if args.costs else None
     rows = []
-    if args.chain and not args.traces:
-        parser.error("--chain needs --traces")
-    for sc in trace_scenarios(args.traces, costs, args.chain) if args.traces else SCENARIOS:
+    if (args.chain or args.bench_prompts) and not args.traces:
+        parser.error("--chain and --bench-prompts need --traces")
+    if args.bench_prompts is not None and args.bench_prompts < 1:
+        parser.error(f"--bench-prompts: expected at least 1, got {args.bench_prompts}")
+    scenarios = (
+        trace_scenarios(args.traces, costs, args.chain, args.bench_prompts) if args.traces else SCENARIOS
+    )
+    for sc in scenarios:
         r = compare(sc, seeds=args.seeds, static=not args.refilled)
         rates = r["rates"]
         picks = " ".join(f"{k}:{n}" for k, n in r["picks"].items())

@@ -125,6 +125,24 @@ def test_traces_replay_by_text_position(tmp_path):
     assert auto_sim.run_call(sc, 0, 0)["rounds"] == 11
 
 
+def test_the_benchs_requests_cycle_the_first_traces_from_their_start_in_every_call(tmp_path):
+    """bench_prompts: requests as `bench e2e --prompts N` makes them, trace b % N from its first
+    token, whatever the seed; without it, random traces from random positions."""
+    one = [{"counts": [1, 2, 3, 3, 3, 3], "sums": [0, 1, 2, 2, 2, 2]}] * 4
+    path = tmp_path / "traces.json"
+    path.write_text(
+        json.dumps({"buckets": list(AUTO_BUCKETS), "temperatures": {"0": [one] * 3, "1": [one] * 3}})
+    )
+    bench = auto_sim.trace_scenarios(path, {4: COSTS}, bench_prompts=2)[0]
+    assert bench.bench_prompts == 2 and "the bench's 2 prompts" in bench.name
+    for seed in (0, 1):
+        reqs = auto_sim._new_requests(bench, np.random.default_rng(seed))
+        assert reqs.trace.tolist() == [0, 1, 0, 1] and reqs.offset.tolist() == [0, 0, 0, 0]
+    plain = auto_sim.trace_scenarios(path, {4: COSTS})[0]
+    drawn = [auto_sim._new_requests(plain, np.random.default_rng(seed)) for seed in range(8)]
+    assert any(r.trace.tolist() != [0, 1, 0, 1] or r.offset.any() for r in drawn)
+
+
 def test_traces_with_the_chain_replay_its_rounds_and_tell_its_sums(tmp_path):
     """Greedy traces holding the chain's counts: the scenarios get the chain's bucket (its cost bucket
     16's unless given), a tree round tells the chain's S but not its count, the chain's round its own

@@ -50,6 +50,10 @@ class Scenario:
     cost_noise: float = 0.03
     traces: tuple[Trace, ...] = ()  # recorded rounds to replay instead of the acceptance model
     buckets: tuple[int, ...] = AUTO_BUCKETS  # with DFlash's chain (auto_buckets(CHAIN)) on greedy traces
+    # the requests as `bench e2e` makes them: the first bench_prompts traces (recorded from the held-out
+    # prompts in order) cycled over the batch, each from its first token, the same in every call; None:
+    # each request a random trace from a random text position
+    bench_prompts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,10 @@ class _Requests:
 def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
     skill = rng.normal(sc.skill_mean, sc.skill_spread, sc.batch)
     reqs = _Requests(skill, rng.normal(0.0, sc.round_noise, sc.batch))
-    if sc.traces:
+    if sc.traces and sc.bench_prompts:
+        reqs.trace = np.arange(sc.batch) % min(sc.bench_prompts, len(sc.traces))
+        reqs.offset = np.zeros(sc.batch, dtype=np.int64)
+    elif sc.traces:
         reqs.trace = rng.integers(0, len(sc.traces), sc.batch)
         reqs.offset = np.array([rng.integers(0, sc.traces[t].length) for t in reqs.trace])
     return reqs
@@ -286,12 +293,17 @@ SCENARIOS = (
 COSTS_BY_BATCH = {1: B1, 4: B4, 16: B16, 64: B64}
 
 
-def trace_scenarios(path, costs_by_batch: dict[int, dict[int, float]] | None = None,
-                    chain: int | None = None) -> tuple[Scenario, ...]:  # fmt: skip
+def trace_scenarios(
+    path,
+    costs_by_batch: dict[int, dict[int, float]] | None = None,
+    chain: int | None = None,
+    bench_prompts: int | None = None,
+) -> tuple[Scenario, ...]:
     """Batch 1, 4, 16 and 64 (or the batches of costs_by_batch) at temperature 0 and 1 replaying the
     recorded traces, with the cost tables above or costs_by_batch (costs_from_bench). chain: DFlash's
     chain of that many nodes among the buckets where the traces hold its counts (greedy), costing what
-    its run measured or else what bucket 16 costs (the same drafter, a verify of one token less)."""
+    its run measured or else what bucket 16 costs (the same drafter, a verify of one token less).
+    bench_prompts: the requests as `bench e2e --prompts bench_prompts` makes them (Scenario)."""
     out = []
     for temperature in ("0", "1"):
         traces = load_traces(path, temperature)
@@ -302,7 +314,11 @@ def trace_scenarios(path, costs_by_batch: dict[int, dict[int, float]] | None = N
             if with_chain:
                 costs = {**costs, chain: costs.get(chain, costs[16])}
                 name += f", chain {chain}"
-            out.append(Scenario(name, batch, costs, traces=traces, buckets=buckets))
+            if bench_prompts:
+                name += f", the bench's {bench_prompts} prompts"
+            out.append(
+                Scenario(name, batch, costs, traces=traces, buckets=buckets, bench_prompts=bench_prompts)
+            )
     return tuple(out)
 
 
