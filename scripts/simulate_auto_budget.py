@@ -42,14 +42,12 @@ def main() -> None:
         "--bench-prompts", type=int, help="requests as bench e2e --prompts N makes them (with --traces)"
     )
     args = parser.parse_args()
-    if args.costs and not args.traces:
-        parser.error("--costs needs --traces")
-    costs = costs_from_bench(args.costs) if args.costs else None
-    rows = []
-    if (args.chain or args.bench_prompts) and not args.traces:
-        parser.error("--chain and --bench-prompts need --traces")
+    if (args.costs or args.chain or args.bench_prompts) and not args.traces:
+        parser.error("--costs, --chain and --bench-prompts need --traces")
     if args.bench_prompts is not None and args.bench_prompts < 1:
         parser.error(f"--bench-prompts: expected at least 1, got {args.bench_prompts}")
+    costs = costs_from_bench(args.costs) if args.costs else None
+    rows = []
     scenarios = (
         trace_scenarios(args.traces, costs, args.chain, args.bench_prompts) if args.traces else SCENARIOS
     )

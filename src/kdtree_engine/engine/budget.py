@@ -660,19 +660,19 @@ class BudgetPolicy:
         return self.buckets[j]
 
     def _explore(self, costs: Sequence[float], step: int) -> int:
-        """The rule picked a step (index `step`). Where steps are also the steady choice (the best
-        bucket used every round, at the buckets' long-run acceptance), the tree bucket that would be the
-        steady choice with each tree's acceptance raised by its bonus, if any (module docstring,
-        "Exploring against steps"); otherwise the step (a round whose own draft promises little)."""
+        """The rule picked a step (index `step`). Where steps are also the steady choice (the bucket of
+        most tokens per second used every round, at the buckets' long-run acceptance), the steady
+        choice with each tree's acceptance raised to its upper bound (Calibration.optimistic_long_run;
+        module docstring, "Exploring against steps"), which is a tree or the step; otherwise the step
+        (a round whose own draft promises little). Ties go to the first bucket, the step."""
         if any(c <= 0 for c in costs):
             return step
+        price = np.asarray(costs)
         ybar, _ = self.calibration.long_run()
-        rates = [(1.0 + ybar[i]) / costs[i] for i in self._drafting]
-        if max(rates) > 1.0 / costs[step]:
+        if int(np.argmax((1.0 + ybar) / price)) != step:
             return step  # a tree is the steady choice: this round's step is the draft's call
-        optimistic = ybar + self.calibration.bonus()
-        best = max(self._drafting, key=lambda i: (1.0 + optimistic[i]) / costs[i])
-        return best if (1.0 + optimistic[best]) / costs[best] > 1.0 / costs[step] else step
+        upper, _ = self.calibration.optimistic_long_run()
+        return int(np.argmax((1.0 + upper) / price))
 
     def _steady_rate(self, requests: int) -> float:
         """lambda of the choice (module docstring): the batch's tokens per second with the best bucket

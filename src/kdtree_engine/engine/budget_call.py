@@ -105,19 +105,27 @@ class CallTest:
     def decide(self, seconds: np.ndarray, steps: int, most: float) -> bool:
         """seconds [K]: steady_call_seconds; steps: the index of bucket 0 -> whether to step (its time
         is the least), kept by the rule above."""
-        step_time = seconds[steps]
-        tree_time = seconds[np.arange(seconds.size) != steps].min()
+        step_time, tree_time = _step_and_tree_times(seconds, steps)
         self.answer, self.left = bool(step_time <= tree_time), most
-        margin = max(step_time, tree_time) / min(step_time, tree_time) - 1.0
-        self.kept = KEEP_ROUNDS if margin > KEEP_MARGIN else 0
+        self.kept = KEEP_ROUNDS if _decisive(step_time, tree_time) else 0
         return self.answer
 
     @staticmethod
     def decisive_steps(seconds: np.ndarray, steps: int) -> bool:
         """Whether steps end the call sooner than every bucket by more than KEEP_MARGIN (seconds [K]:
         steady_call_seconds; steps: the index of bucket 0)."""
-        tree_time = seconds[np.arange(seconds.size) != steps].min()
-        return bool(tree_time > seconds[steps] * (1.0 + KEEP_MARGIN))
+        step_time, tree_time = _step_and_tree_times(seconds, steps)
+        return bool(step_time <= tree_time and _decisive(step_time, tree_time))
+
+
+def _step_and_tree_times(seconds: np.ndarray, steps: int) -> tuple[float, float]:
+    """The steps' time and the least of every other bucket's, from steady_call_seconds."""
+    return seconds[steps], seconds[np.arange(seconds.size) != steps].min()
+
+
+def _decisive(step_time: float, tree_time: float) -> bool:
+    """One way ends the call sooner than the other by more than KEEP_MARGIN."""
+    return max(step_time, tree_time) / min(step_time, tree_time) - 1.0 > KEEP_MARGIN
 
 
 @dataclass
