@@ -15,6 +15,9 @@
 # as out/kimi_bench.json (KIMI_JSON overrides). "flashmla" installs the FlashMLA wheel carried in .whl/ and runs
 # bench attention against it on 64-row pages (issue 29). "tune-attention" runs the GPU tests of the kernels whose launches
 # changed after the sm_90 compile audit (docs/notes/kernels.md), then scripts/tune_triton_attention.py.
+# "invariant" runs kimi-nano's grid with the row-invariant mode and without it (issue 32; greedy outputs
+# against AR and against each prompt decoded alone); "invariant-small" the mode's GPU tests, then the 2.5B
+# shape's grid with the mode and without it.
 # "engine" runs the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
@@ -114,15 +117,31 @@ if [ "$what" = kimi-port ]; then
   exit $status
 fi
 if [ "$what" = invariant ]; then
-  # issue 32: greedy outputs against autoregressive decoding with the row-invariant mode, and its cost
-  # (the same grid without the mode, same call)
-  timeout "${T_ATTN_INV:-100}" python3 -m kdtree_engine bench attention --out "$R/attention_invariant" --heads 64 8 \
-    --tokens 1 9 33 --seqlens 4096 32768 --batch 1 16 --invariant --no-naive --no-flashmla --rep 30 2>&1 \
-    | tee "$R/bench_attention_invariant.log" | tail -20 || status=1
+  # issue 32 on kimi-nano: every greedy output of the grid (batch 1-64, DFlash, every budget, auto) against
+  # autoregressive decoding at its batch and against its prompt decoded alone, with the row-invariant mode,
+  # then the same grid without it in the same call (the mode's cost)
   for mode in --row-invariant ""; do
     name=nano${mode:+_invariant}
-    timeout "${T_INV:-230}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 \
-      --budgets 8 16 32 64 --auto $mode --out "$R/$name" 2>&1 | tee "$R/bench_$name.log" | tail -30 || status=1
+    timeout "${T_INV:-280}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 \
+      --budgets 8 16 32 64 --prompts 8 --auto $mode --out "$R/$name" 2>&1 | tee "$R/bench_$name.log" | tail -30 \
+      || status=1
+  done
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = invariant-small ]; then
+  # issue 32: the GPU tests of the mode (a request's tokens alone = in a batch of 64, eager = captured, on
+  # kimi-nano and on the 2.5B shape without its successor margin; the model's tree nodes = their decoded
+  # paths), then the 2.5B grid with the mode and without it (INV_BATCH, INV_TOKENS)
+  timeout "${T_INV_TESTS:-200}" python3 -m pytest -q -m gpu tests/engine/test_gpu_row_invariance.py \
+    tests/model/test_row_invariance.py -p no:cacheprovider -rs --durations=8 2>&1 | tee "$R/invariance_tests.log" \
+    | tail -20 || status=1
+  for mode in --row-invariant ""; do
+    name=small${mode:+_invariant}
+    # shellcheck disable=SC2086
+    timeout "${T_INV_SMALL:-180}" python3 -m kdtree_engine bench e2e --target small --batch ${INV_BATCH:-1 4 16 64} \
+      --temperatures 0 --budgets 8 16 32 64 --auto --new-tokens "${INV_TOKENS:-64}" $mode --out "$R/$name" 2>&1 \
+      | tee "$R/bench_$name.log" | tail -30 || status=1
   done
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
@@ -157,7 +176,8 @@ fi
 if [ "$what" = engine ]; then
   # the engine's GPU tests (captured rounds, prefill and first-draft graphs, the auto budget's buckets
   # with the chain), then the auto budget's kimi-nano grid (issues 27 and 28) in one device call
-  timeout "${T_ENG:-150}" python3 -m pytest -q -m gpu tests/engine -p no:cacheprovider -rs --durations=5 2>&1 \
+  timeout "${T_ENG:-150}" python3 -m pytest -q -m gpu tests/engine --ignore tests/engine/test_gpu_row_invariance.py \
+    -p no:cacheprovider -rs --durations=5 2>&1 \
     | tee "$R/engine_tests.log" | tail -20 || status=1
   timeout "${T_AUTO:-420}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
     --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" | tail -40 \

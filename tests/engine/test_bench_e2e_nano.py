@@ -185,6 +185,8 @@ def test_nano_bench_rows_on_a_tiny_target(tmp_path):
             assert r["equal_to_ar"] == r["requests"]  # greedy float32: token for token
         else:
             assert r["equal_to_ar"] is None
+        # batch 2 greedy against each prompt decoded alone at batch 1 (float32: the same tokens)
+        assert r["equal_alone"] == (r["requests"] if (r["batch"], r["temperature"]) == (2, 0) else None)
         if r["method"] == "autoregressive":
             assert r["speedup"] == 1.0 and r["tau"] == 1.0
         else:
@@ -252,6 +254,32 @@ def test_equal_to_ar_counts_the_requests_that_match(monkeypatch):
     assert "| 3 | 0 | ddtree | 3 |" in e2e_nano.markdown(rows, "h") and "| 2/3 |" in e2e_nano.markdown(
         rows, "h"
     )
+
+
+def test_equal_alone_counts_the_requests_that_match_their_prompt_decoded_alone(monkeypatch):
+    """Batch 3 runs prompts 0, 1, 2 then 0, 1, 2 (cycled); a batched output that parts from its prompt's
+    batch-1 autoregressive tokens is counted out, in every method's row, although it may equal the
+    batch's own autoregressive run."""
+    timed = e2e.timed_run
+
+    def batched_differs(target, drafter, prompts, config):
+        out = timed(target, drafter, prompts, config)
+        if len(prompts) == 3:
+            out.tokens[1] = out.tokens[1][:-1] + [(out.tokens[1][-1] + 1) % target.config.vocab_size]
+        return out
+
+    monkeypatch.setattr(e2e, "timed_run", batched_differs)
+    target, drafter = tiny_target(), tiny_drafter()
+    prompts = random_prompts(5, [6, 8, 5], target.config.vocab_size)
+    args = _args("--target", "nano", "--batch", "1", "3", "--budgets", "3", "--new-tokens", "5",
+                 "--temperatures", "0")  # fmt: skip
+    rows = e2e_nano.bench(target, drafter, prompts, args, torch.device("cpu"))
+    assert [(r["batch"], r["method"], r["equal_to_ar"], r["equal_alone"]) for r in rows] == [
+        (1, "autoregressive", 3, None), (1, "dflash", 3, None), (1, "ddtree", 3, None),
+        (3, "autoregressive", 3, 2), (3, "dflash", 3, 2), (3, "ddtree", 3, 2),
+    ]  # fmt: skip
+    md = e2e_nano.markdown(rows, "h")
+    assert "same alone" in md and "| 3/3 | 2/3 |" in md and "| 3/3 | - |" in md
 
 
 # --- the small target and the command line --------------------------------------------------------------

@@ -42,9 +42,13 @@ def runs(budgets, auto: bool = False) -> list[tuple[str, int | str | None]]:
     )
 
 
-def bench_setting(target, drafter, groups, batch: int, temperature: float, args) -> list[dict]:
-    """Rows of every method at one batch size and temperature; speedups against this setting's
-    autoregressive row, greedy outputs compared with it request by request."""
+def bench_setting(
+    target, drafter, groups, batch: int, temperature: float, args, alone: list | None = None
+) -> tuple[list[dict], list]:
+    """(rows of every method at one batch size and temperature, the autoregressive run's tokens):
+    speedups against this setting's autoregressive row, greedy outputs compared with it request by
+    request and, given `alone` (the greedy autoregressive tokens of each prompt decoded alone, batch 1),
+    with their prompt's alone run (row k of the flattened groups runs prompt k mod len(alone))."""
     from kdtree_engine.engine import GenerationConfig, SamplingParams
 
     graphs = False if args.eager else None
@@ -62,21 +66,37 @@ def bench_setting(target, drafter, groups, batch: int, temperature: float, args)
         if ar is None:  # the first run: autoregressive decoding, the baseline
             ar, ar_tokens = r, tokens
         equal = sum(a == b for a, b in zip(tokens, ar_tokens)) if temperature == 0 else None
+        same_alone = _same_as_alone(tokens, alone) if temperature == 0 else None
         block = drafter.block_size if speculative else 1
         budget = "auto" if config.auto_budget else config.tree_budget(block)
         rows.append({"target": "nano", "method": method, "budget": budget, "temperature": temperature,
                      "batch": batch, "requests": len(tokens), **r,
-                     "speedup": r["tokens_per_s"] / ar["tokens_per_s"], "equal_to_ar": equal})  # fmt: skip
-    return rows
+                     "speedup": r["tokens_per_s"] / ar["tokens_per_s"], "equal_to_ar": equal,
+                     "equal_alone": same_alone})  # fmt: skip
+    return rows, ar_tokens
+
+
+def _same_as_alone(tokens: list, alone: list | None) -> int | None:
+    """How many requests got their prompt's tokens decoded alone (request k runs prompt k mod
+    len(alone)); None without an alone run."""
+    if alone is None:
+        return None
+    return sum(t == alone[k % len(alone)] for k, t in enumerate(tokens))
 
 
 def bench(target, drafter, prompts: list[list[int]], args, device, on_row=None) -> list[dict]:
-    """Every batch size and temperature (nano rows; on_row(rows so far, row) after each row)."""
+    """Every batch size and temperature (nano rows; on_row(rows so far, row) after each row). Where
+    batch 1 runs greedy first, every later greedy row also counts the requests equal to their prompt
+    decoded alone (`equal_alone`: batch 1's autoregressive tokens)."""
     rows: list[dict] = []
+    alone = None
     for batch in e2e.batch_sizes(args, device):
         groups = prompt_batches(prompts, batch)
         for temperature in args.temperatures:
-            for r in bench_setting(target, drafter, groups, batch, temperature, args):
+            setting, ar_tokens = bench_setting(target, drafter, groups, batch, temperature, args, alone)
+            if batch == 1 and temperature == 0:
+                alone = ar_tokens
+            for r in setting:
                 rows.append(r)
                 if on_row is not None:
                     on_row(rows, r)
@@ -98,21 +118,23 @@ def costs(target, drafter, prompts: list[list[int]], args, device) -> list[dict]
     return rows
 
 
-def _equal_cell(r: dict) -> str:
-    return "-" if r["equal_to_ar"] is None else f"{r['equal_to_ar']}/{r['requests']}"
+def _count_cell(r: dict, key: str) -> str:
+    return "-" if r.get(key) is None else f"{r[key]}/{r['requests']}"
 
 
 def markdown(rows: list[dict], header: str, experts: list[dict] | None = None, forwards=None) -> str:
-    """The nano rows (equal to AR: requests whose greedy output is autoregressive decoding's, token
-    for token), their per-stage times, and the expert touch and forward cost tables when given."""
+    """The nano rows (equal to AR: requests whose greedy output is autoregressive decoding's at the
+    same batch, token for token; same alone: requests whose greedy output is their prompt's
+    autoregressive decoding at batch 1), their per-stage times, and the expert touch and forward cost
+    tables when given."""
     from kdtree_engine.bench import experts as touch
 
     heads = ["batch", "temperature", "method", "budget", "tokens/s", "speedup", "tau", "fwd/token",
-             "round ms", "equal to AR"]  # fmt: skip
+             "round ms", "equal to AR", "same alone"]  # fmt: skip
     body = [
         [r["batch"], f"{r['temperature']:g}", r["method"], r["budget"] or "-", r["tokens_per_s"],
          f"{r['speedup']:.2f}x", f"{r['tau']:.2f}", f"{r['forwards_per_token']:.3f}", f"{r['round_ms']:.2f}",
-         _equal_cell(r)]
+         _count_cell(r, "equal_to_ar"), _count_cell(r, "equal_alone")]
         for r in rows
     ]  # fmt: skip
     lead = ["batch", "temperature", "method", "budget"]
