@@ -7,8 +7,9 @@ batch) and temperature: autoregressive, DFlash and DDTree at each budget, every 
 `--new-tokens` tokens (EOS ignored), every sampled run with the same seed. Per row: tokens/s (wall clock
 of whole generate() calls, bench/e2e.py), speedup over autoregressive decoding at the same temperature
 and batch, tau, target forwards per token and, at temperature 0, how many requests equal autoregressive
-decoding token for token. Then `bench.experts`: the distinct routed experts a verify forward touches per
-MoE layer against uniform routing. On CUDA, per batch size (bench/forward_cost.py, timed with
+decoding token for token at the same batch and, after a batch-1 setting, their prompt decoded alone.
+Then `bench.experts`: the distinct routed experts a verify forward touches per MoE layer against
+uniform routing. On CUDA, per batch size (bench/forward_cost.py, timed with
 bench/timing.py): kernels and time of the decode step and of a verify of N = budget + 1 tokens (and of
 DFlash's block) against their memory rooflines, and the drafter's draft against the decode step.
 """
