@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -131,3 +132,44 @@ def test_auto_picks_the_chain_where_it_beats_every_tree(monkeypatch):
     assert first.tokens == third.tokens == greedy_generate(target, prompts, 80)
     budgets = third.stats.budgets
     assert budgets.count(7) > len(budgets) / 2, third.stats.budget_histogram
+
+
+def _policy_with_chain(chain_rounds: int) -> BudgetPolicy:
+    """Buckets (0, 4, 8, 15, 16, 32, 64), the chain (15) costing what bucket 16 costs. 40 rounds of bucket
+    16 (each also telling buckets 4 and 8) accept 6 drafted tokens per request, then `chain_rounds`
+    rounds of the chain accept 6.5, a round in turn 1.5 more and less (its noise): the chain is better
+    by 0.5 token a round."""
+    from tests.engine.test_budget_call import _measured
+
+    buckets = auto_buckets(15)
+    policy = BudgetPolicy(buckets, depth=64)
+    _measured(policy, {0: 1.0, 4: 1.5, 8: 1.6, 15: 1.8, 16: 1.8, 32: 2.2, 64: 3.0})
+    rows, nan = [0, 1], np.nan
+    tree_sums = np.array([[0.0, 2.0, 3.5, 5.0, 5.0, nan, nan]] * 2)  # S at 0, 4, 8, the chain, 16
+    for _ in range(40):
+        policy.pick([True, True], must_draft=True)
+        would = np.array([[nan, 3.0, 5.0, nan, 7.0, nan, nan]] * 2)
+        policy.observe(16, None, rows, [7, 7], tree_sums, would)
+    chain_sums = np.array([[nan, nan, nan, 5.0, nan, nan, nan]] * 2)
+    for r in range(chain_rounds):
+        policy.pick([True, True], must_draft=True)
+        got = 7.5 + (1.5 if r % 2 else -1.5)
+        policy.observe(
+            15, None, rows, [got, got], chain_sums, np.array([[nan, nan, nan, got, nan, nan, nan]] * 2)
+        )
+    policy.pending.clear()
+    return policy
+
+
+def test_the_chain_takes_rounds_from_the_trees_once_its_own_rounds_show_it_better():
+    """The chain's E counts at its lower bound in the per-round choice (budget module docstring): after
+    2 rounds of its own, better than bucket 16 on average but known from 4 pairs, the choice keeps bucket
+    16 (at the chain's estimate alone it took the chain); after 60 rounds, it takes the chain."""
+    few = _policy_with_chain(2)
+    assert few.pick([True, True], must_draft=True) == 16
+    few.pending.clear()
+    bonus = few.calibration.bonus
+    few.calibration.bonus = lambda: 0.0 * bonus()  # the estimate alone
+    assert few.pick([True, True], must_draft=True) == 15
+    many = _policy_with_chain(60)
+    assert many.pick([True, True], must_draft=True) == 15

@@ -62,6 +62,13 @@ at the upper bounds; the static call's test gives a call to steps (no draft unti
 steps win decisively against the upper bounds too, while its round-by-round answer uses the estimates
 (optimism there, against a batch's tail, costs a batch of 64 that steps best its extra trees). Among
 trees the estimates stay as they are (optimism there buys rounds of the larger, costlier buckets).
+
+The chain at its lower bound. Only the chain's own rounds tell what it commits (a tree round tells its S,
+not its count), while every tree is also told by each larger tree's round: its estimate rests on fewer
+pairs, and a choice that takes it whenever that estimate comes out above the trees' takes it on its
+errors (the winner's curse: kimi-nano's chain expected 6.92 tokens where it was picked and gave 6.36).
+So in the per-round choice the chain's E counts EXPLORE_SDS standard errors below its estimate
+(Calibration.bonus), at least 1: it takes rounds from the trees once its own rounds have shown it better.
 """
 
 from __future__ import annotations
@@ -588,6 +595,7 @@ class BudgetPolicy:
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
         chain = chain_bucket(self.buckets)
+        self._chain = None if chain is None else self.buckets.index(chain)
         # per bucket index: the indices of the smaller trees whose counts its round tells
         self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
@@ -647,6 +655,9 @@ class BudgetPolicy:
             j = self.buckets.index(0)
         else:
             expected = per_row.sum(axis=0).tolist()
+            if self._chain is not None:  # the chain at its lower bound (module docstring)
+                j = self._chain
+                expected[j] = float(np.maximum(1.0, per_row[:, j] - self.calibration.bonus()[j]).sum())
             _, costs, _ = self.costs.estimates()
             allowed = self._drafting if must_draft else range(len(self.buckets))
             rate = self._steady_rate(rows.size)
