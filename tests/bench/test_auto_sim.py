@@ -141,6 +141,11 @@ def test_the_benchs_requests_cycle_the_first_traces_from_their_start_in_every_ca
     plain = auto_sim.trace_scenarios(path, {4: COSTS})[0]
     drawn = [auto_sim._new_requests(plain, np.random.default_rng(seed)) for seed in range(8)]
     assert any(r.trace.tolist() != [0, 1, 0, 1] or r.offset.any() for r in drawn)
+    # the policy is told the greedy copies, as generate() tells it; sampled requests draw their own
+    sampled = auto_sim.trace_scenarios(path, {4: COSTS}, bench_prompts=2)[1]
+    assert bench.greedy and not sampled.greedy
+    assert auto_sim.copies(bench) == [0, 1, 0, 1] and auto_sim.copies(sampled) is None
+    assert auto_sim.copies(plain) is None
 
 
 def test_traces_with_the_chain_replay_its_rounds_and_tell_its_sums(tmp_path):

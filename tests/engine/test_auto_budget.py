@@ -255,3 +255,27 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch, pipelin
     monkeypatch.setattr(loop, "_capture_the_rest", lambda run, rounds: captured.append(rounds))
     out = generate(target, drafter, prompts, config, stage_timing=False)
     assert out.tokens == first.tokens and captured == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_policy_is_told_which_greedy_requests_are_copies(monkeypatch, temperature):
+    """generate() tells the auto budget's policy, per request, the first request with the same prompt
+    and token limit under greedy decoding (their tokens are the same every round: the static call's
+    tail counts them once); nothing under sampling, where each draws its own."""
+    told = []
+    real = BudgetPolicy.new_call
+
+    def recording(self, copies=None):
+        told.append(copies)
+        real(self, copies)
+
+    monkeypatch.setattr(BudgetPolicy, "new_call", recording)
+    target, drafter = tiny_target(1), tiny_drafter(1)
+    prompts = random_prompts(3, [4, 6], target.config.vocab_size)
+    prompts = [prompts[0], prompts[1], list(prompts[0]), prompts[1][:-1]]
+    sampling = SamplingParams(temperature=temperature)
+    config = GenerationConfig(max_new_tokens=6, budget="auto", sampling=sampling)
+    out = generate(target, drafter, prompts, config)
+    assert told[-1] == ([0, 1, 0, 3] if temperature == 0 else None)
+    if temperature == 0:
+        assert out.tokens[0] == out.tokens[2]

@@ -134,23 +134,24 @@ def test_auto_picks_the_chain_where_it_beats_every_tree(monkeypatch):
     assert budgets.count(7) > len(budgets) / 2, third.stats.budget_histogram
 
 
-def _policy_with_chain(chain_rounds: int) -> BudgetPolicy:
+def _policy_with_chain(chain_rounds: int, chain_s: float = 3.0) -> BudgetPolicy:
     """Buckets (0, 4, 8, 15, 16, 32, 64), the chain (15) costing what bucket 16 costs. 40 rounds of bucket
     16 (each also telling buckets 4 and 8) accept 6 drafted tokens per request, then `chain_rounds`
     rounds of the chain accept 6.5, a round in turn 1.5 more and less (its noise): the chain is better
-    by 0.5 token a round."""
+    by 0.5 token a round. Its S is chain_s: at 3 its rounds accept 2.2 times what S predicts (a drafter
+    that understates its top-1), at 5 1.3 times."""
     from tests.engine.test_budget_call import _measured
 
     buckets = auto_buckets(15)
     policy = BudgetPolicy(buckets, depth=64)
     _measured(policy, {0: 1.0, 4: 1.5, 8: 1.6, 15: 1.8, 16: 1.8, 32: 2.2, 64: 3.0})
     rows, nan = [0, 1], np.nan
-    tree_sums = np.array([[0.0, 2.0, 3.5, 5.0, 5.0, nan, nan]] * 2)  # S at 0, 4, 8, the chain, 16
+    tree_sums = np.array([[0.0, 2.0, 3.5, chain_s, 5.0, nan, nan]] * 2)  # S at 0, 4, 8, the chain, 16
     for _ in range(40):
         policy.pick([True, True], must_draft=True)
         would = np.array([[nan, 3.0, 5.0, nan, 7.0, nan, nan]] * 2)
         policy.observe(16, None, rows, [7, 7], tree_sums, would)
-    chain_sums = np.array([[nan, nan, nan, 5.0, nan, nan, nan]] * 2)
+    chain_sums = np.array([[nan, nan, nan, chain_s, nan, nan, nan]] * 2)
     for r in range(chain_rounds):
         policy.pick([True, True], must_draft=True)
         got = 7.5 + (1.5 if r % 2 else -1.5)
@@ -173,3 +174,17 @@ def test_the_chain_takes_rounds_from_the_trees_once_its_own_rounds_show_it_bette
     assert few.pick([True, True], must_draft=True) == 15
     many = _policy_with_chain(60)
     assert many.pick([True, True], must_draft=True) == 15
+
+
+def test_a_chain_whose_rounds_accept_what_its_s_predicts_is_no_candidate():
+    """The chain's own rounds accept 1.3 times what its S predicts (below CHAIN_MIN_RATIO): the best-first
+    tree of the next bucket holds the likelier paths at the same cost, so the choice does not take the
+    chain however its estimate reads (budget module docstring); before any round of its own it is a
+    candidate, so that it gets tried."""
+    calibrated = _policy_with_chain(60, chain_s=5.0)
+    assert calibrated.calibration.own_ratio(3) == pytest.approx(6.5 / 5.0)
+    assert calibrated.pick([True, True], must_draft=True) == 16
+    untried = _policy_with_chain(0, chain_s=5.0)
+    assert untried.calibration.own_ratio(3) is None
+    untried._candidates = untried._candidate_mask()
+    assert untried._candidates.all()

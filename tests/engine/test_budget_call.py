@@ -100,6 +100,19 @@ def test_a_static_call_steps_when_steps_end_it_soonest():
     assert not policy.stepping  # a close answer does not give the call to steps
 
 
+def test_greedy_copies_count_once_in_the_calls_tail():
+    """The same 64 requests in a new call told that the rows of each parity are greedy copies (one
+    prompt each, so they commit the same tokens every round, as the rounds above had them accept): the
+    tail is that of 2 requests, not of 64 independent ones, and trees end the call sooner; untold, steps."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    told = _policy_after_a_round(costs, 64, accepted=1.2, rounds=40, spread=1.2)
+    told.new_call(copies=[b % 2 for b in range(64)])
+    assert told.pick([True] * 64, must_draft=False, remaining=[127] * 64) != 0
+    untold = _policy_after_a_round(costs, 64, accepted=1.2, rounds=40, spread=1.2)
+    untold.new_call()
+    assert untold.pick([True] * 64, must_draft=False, remaining=[127] * 64) == 0
+
+
 def test_a_decisive_answer_for_steps_gives_the_call_to_steps():
     """Steps far cheaper per token than any tree: the call is given to steps at once, even where the
     drafter would have to run (a call's first round, a full context), and stays so until the next call."""

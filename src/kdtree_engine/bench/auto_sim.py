@@ -54,6 +54,7 @@ class Scenario:
     # prompts in order) cycled over the batch, each from its first token, the same in every call; None:
     # each request a random trace from a random text position
     bench_prompts: int | None = None
+    greedy: bool = False  # the traces are greedy: requests of one prompt are copies (their tokens the same)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,15 @@ class _Requests:
 
     def __post_init__(self) -> None:
         self.committed = np.zeros(self.skill.shape[0], dtype=np.int64)
+
+
+def copies(sc: Scenario) -> list[int] | None:
+    """What generate() tells the policy of a call's requests (BudgetPolicy.new_call): under greedy
+    decoding, per request the first of its copies, the bench's requests cycling their prompts over the
+    batch; None otherwise (random text positions: no two requests alike)."""
+    if not (sc.greedy and sc.traces and sc.bench_prompts):
+        return None
+    return [b % min(sc.bench_prompts, len(sc.traces)) for b in range(sc.batch)]
 
 
 def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
@@ -316,9 +326,8 @@ def trace_scenarios(
                 name += f", chain {chain}"
             if bench_prompts:
                 name += f", the bench's {bench_prompts} prompts"
-            out.append(
-                Scenario(name, batch, costs, traces=traces, buckets=buckets, bench_prompts=bench_prompts)
-            )
+            out.append(Scenario(name, batch, costs, traces=traces, buckets=buckets,
+                                bench_prompts=bench_prompts, greedy=temperature == "0"))  # fmt: skip
     return tuple(out)
 
 
@@ -370,7 +379,7 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -
     for s in range(seeds):
         policy = BudgetPolicy(sc.buckets, STEP_ROUNDS * BLOCK)
         for c in range(calls):
-            policy.new_call()
+            policy.new_call(copies(sc))
             out = run_call(sc, 1000 * s + c, None, policy, static)
         t += out["seconds"]
         picks += out["picks"]

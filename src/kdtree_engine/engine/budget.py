@@ -69,6 +69,20 @@ pairs, and a choice that takes it whenever that estimate comes out above the tre
 errors (the winner's curse: kimi-nano's chain expected 6.92 tokens where it was picked and gave 6.36).
 So in the per-round choice the chain's E counts EXPLORE_SDS standard errors below its estimate
 (Calibration.bonus), at least 1: it takes rounds from the trees once its own rounds have shown it better.
+
+The chain only where the drafter understates its top-1. The best-first tree of n nodes holds the n
+paths of highest draft probability, so its S is at least the chain's at n >= L nodes; where the
+chain's paths are calibrated (it commits 1 + S in expectation), the tree of the next bucket up, at about
+the chain's cost, commits at least as much. The chain wins only where its rounds accept well beyond
+what their S predicted (a flat drafter whose top-1 is right far more often than it says, and whose
+trees go wide). So the chain is a candidate (in the choice, its steady rate, the exploring and the
+static call's test) only while its own rounds accepted at least CHAIN_MIN_RATIO times the drafted tokens
+their S predicted (Calibration.own_ratio; before its first round, it is). kimi-nano's chain: 1.06-1.29
+(the H100 run of 2026-12-05 23:49 UTC); the scaled-down Kimi's stand-in drafter about 2.8.
+
+Identical greedy requests. Greedy requests with the same prompt and limit commit the same tokens every
+round, so the static call's tail counts them once (`new_call(copies=...)`): a batch of 64 that repeats
+8 prompts ends with its slowest prompt, not with the slowest of 64 independent draws.
 """
 
 from __future__ import annotations
@@ -94,6 +108,7 @@ SLOPE_PAIRS = 16.0  # pairs at which a bucket's fitted slope counts half
 STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many rounds' more: AR steps in a row
 STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
 EXPLORE_SDS = 2.0  # standard errors above its estimate a tree bucket counts at against a step
+CHAIN_MIN_RATIO = 1.5  # the chain's accepted over predicted drafted tokens below which it is out
 
 
 def path_probabilities(
@@ -316,6 +331,12 @@ class Calibration:
         self._levels: tuple[np.ndarray, list[float], np.ndarray | None] | None = None
         self._nearest: tuple[list[bool], list[int]] | None = None  # (buckets tried, the one each borrows)
         self._sizes = np.asarray(self.buckets, dtype=np.float64)
+
+    def own_ratio(self, j: int) -> float | None:
+        """r_n of bucket index j from its own rounds only (accepted drafted tokens over what their S
+        predicted), None before any (ratio() borrows a neighbour's)."""
+        predicted = float(self.predicted[j])
+        return float(self.accepted[j]) / predicted if predicted > 0 else None
 
     def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
         """One round of bucket index j: per running request, the drafted tokens it accepted
@@ -582,6 +603,7 @@ class BudgetPolicy:
     age: np.ndarray = field(init=False)  # [rows]: rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
     stepping: bool = False  # this call is given to autoregressive steps: no draft until it ends
+    copies: np.ndarray | None = field(init=False, default=None)  # [rows]: first row of its greedy copies
     pending: deque = field(default_factory=deque)  # _Choice per round picked and not read yet
     chosen: dict[int, int] = field(default_factory=dict)  # rounds read per bucket
     predicted: dict[int, float] = field(default_factory=dict)  # sum of 1 + S per bucket (uncalibrated)
@@ -601,9 +623,11 @@ class BudgetPolicy:
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
         self.new_call()
 
-    def new_call(self) -> None:
+    def new_call(self, copies: Sequence[int] | None = None) -> None:
         """A Runner's next call: its requests, the rounds left unread and its report start afresh; the
-        costs and the calibration carry over."""
+        costs and the calibration carry over. copies: per request row, the first row of its greedy
+        copies (same prompt, same limit: the same tokens every round), or None (module docstring)."""
+        self.copies = None if copies is None else np.asarray(copies, dtype=np.int64)
         self.sums = np.zeros((0, len(self.buckets)))
         self.age = np.zeros(0)
         self.paces.new_call()
@@ -647,6 +671,7 @@ class BudgetPolicy:
         the drafter must make, such as a call's first, is skipped), so its steps need not feed the
         drafter's context and cost what plain autoregressive decoding's do."""
         must_draft = must_draft or self.streak >= self.depth
+        self._candidates = self._candidate_mask()
         self._rows(len(active))
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
@@ -659,7 +684,8 @@ class BudgetPolicy:
                 j = self._chain
                 expected[j] = float(np.maximum(1.0, per_row[:, j] - self.calibration.bonus()[j]).sum())
             _, costs, _ = self.costs.estimates()
-            allowed = self._drafting if must_draft else range(len(self.buckets))
+            allowed = [j for j in (self._drafting if must_draft else range(len(self.buckets)))
+                       if self._candidates[j]]  # fmt: skip
             rate = self._steady_rate(rows.size)
             picked = choose([expected[j] for j in allowed], [costs[j] for j in allowed], rate)
             j = allowed[picked]
@@ -676,24 +702,39 @@ class BudgetPolicy:
         choice with each tree's acceptance raised to its upper bound (Calibration.optimistic_long_run;
         module docstring, "Exploring against steps"), which is a tree or the step; otherwise the step
         (a round whose own draft promises little). Ties go to the first bucket, the step."""
-        if any(c <= 0 for c in costs):
+        if self._unmeasured(costs):
             return step
-        price = np.asarray(costs)
+        price = np.where(self._candidates, np.asarray(costs), np.inf)
         ybar, _ = self.calibration.long_run()
         if int(np.argmax((1.0 + ybar) / price)) != step:
             return step  # a tree is the steady choice: this round's step is the draft's call
         upper, _ = self.calibration.optimistic_long_run()
         return int(np.argmax((1.0 + upper) / price))
 
+    def _unmeasured(self, costs: Sequence[float]) -> bool:
+        """Whether a bucket the choice may take is not measured yet (CostTable.estimate 0): the choice
+        then explores, and neither the steady rate nor the static call's test is known."""
+        return any(c <= 0 for c, ok in zip(costs, self._candidates.tolist()) if ok)
+
+    def _candidate_mask(self) -> np.ndarray:
+        """Per bucket, whether the choice may take it: every bucket, but the chain's only while its own
+        calibration ratio is at least CHAIN_MIN_RATIO (module docstring)."""
+        mask = np.ones(len(self.buckets), dtype=bool)
+        if self._chain is not None:
+            ratio = self.calibration.own_ratio(self._chain)
+            mask[self._chain] = ratio is None or ratio >= CHAIN_MIN_RATIO
+        return mask
+
     def _steady_rate(self, requests: int) -> float:
         """lambda of the choice (module docstring): the batch's tokens per second with the best bucket
         every round, its `requests` each committing the bucket's long-run tokens (Calibration.long_run:
         E at the bucket's level of S); 0 while a bucket is unmeasured (costs 0: the choice explores)."""
-        _, costs, unmeasured = self.costs.estimates()
-        if requests == 0 or unmeasured:
+        _, costs, _ = self.costs.estimates()
+        if requests == 0 or self._unmeasured(costs):
             return 0.0
         ybar, _ = self.calibration.long_run_values()
-        return steady_rate([(1.0 + y) * requests for y in ybar], costs)
+        rates = [(1.0 + y) * requests for y, ok in zip(ybar, self._candidates.tolist()) if ok]
+        return steady_rate(rates, [c for c, ok in zip(costs, self._candidates.tolist()) if ok])
 
     def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int], must_draft: bool) -> bool:
         """The static call's test (engine.budget_call.CallTest) for the running request rows, once every
@@ -702,8 +743,8 @@ class BudgetPolicy:
         steps (`stepping`); while the drafter must run, only such an answer steps."""
         if 0 not in self.buckets or rows.size == 0:
             return False
-        costs, _, unmeasured = self.costs.estimates()
-        if unmeasured:
+        costs, values, _ = self.costs.estimates()
+        if self._unmeasured(values):
             return False
         most = float(np.asarray(remaining)[rows].max())
         steps = self.call_test.kept_answer(most)
@@ -717,21 +758,31 @@ class BudgetPolicy:
     def _call_answer(
         self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, most: float
     ) -> bool:
-        """The static call's test computed afresh (CallTest.decide) for the running request rows."""
+        """The static call's test computed afresh (CallTest.decide) for the running request rows, each
+        group of greedy copies counted once (module docstring)."""
         left = np.asarray(remaining, dtype=np.float64).copy()
         for choice in self.pending:
             left[choice.rows] -= choice.expected
+        if self.copies is not None:
+            _, first = np.unique(self.copies[rows], return_index=True)
+            rows = rows[np.sort(first)]
         pace, pace_variance = self.paces.estimate(rows)
         left = np.maximum(left[rows], 1.0)
         ybar, variance = self.calibration.long_run()
-        seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_variance)
+        seconds = self._call_seconds(costs, left, ybar, variance, pace, pace_variance)
         steps = self.call_test.decide(seconds, self.buckets.index(0), most)
         if steps and self.call_test.kept:  # decisive: the call is given to steps only if the trees'
             ybar, variance = self.calibration.optimistic_long_run()  # upper bounds agree (module doc)
-            seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_variance)
+            seconds = self._call_seconds(costs, left, ybar, variance, pace, pace_variance)
             if not self.call_test.decisive_steps(seconds, self.buckets.index(0)):
                 self.call_test.kept = 0
         return steps
+
+    def _call_seconds(self, costs: np.ndarray, left: np.ndarray, ybar: np.ndarray, variance: np.ndarray,
+                      pace: np.ndarray, pace_variance: np.ndarray) -> np.ndarray:  # fmt: skip
+        """steady_call_seconds, inf for a bucket the choice may not take (the chain, ruled out)."""
+        seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_variance)
+        return np.where(self._candidates, seconds, np.inf)
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
                 sums: np.ndarray | Sequence[Sequence[float]] | None,

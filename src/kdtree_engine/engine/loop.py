@@ -146,6 +146,7 @@ class _Run:
     stats: GenerationStats
     timer: StageTimer
     draws: int = 0  # target-token choices so far: the noise offset of the next one
+    copies: list[int] | None = None  # auto budget, greedy: per request, the first with its prompt and limit
 
     @property
     def impl(self) -> str | None:
@@ -608,6 +609,8 @@ class _Rounds:
         depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
         self.policy = BudgetPolicy(self.stages.buckets, depth) if auto else None
+        if self.policy is not None:
+            self.policy.new_call(run.copies)
 
     @property
     def in_flight(self) -> int:
@@ -621,7 +624,7 @@ class _Rounds:
         self.last_read, self.steps = None, 0
         self.stages.reuse(run)
         if self.policy is not None:
-            self.policy.new_call()
+            self.policy.new_call(run.copies)
 
     def pick(self) -> int:
         """The next round's bucket (the one bucket of a fixed budget)."""
@@ -907,9 +910,10 @@ class Runner:
         reqs = Requests(limits=sizes.limits, stops=stops, on_tokens=on_tokens, matchers=matchers)
         if not reqs.running():
             return GenerationOutput(tokens=reqs.tokens, stats=stats)
+        copies = _greedy_copies(self.config, prompts, sizes.limits)
         run = _Run(target=self.target, drafter=self.drafter, config=self.config, budget=sizes.budget,
                    noise_seed=self.config.seed % 2**64, limit=limit, max_len=self.sizes.max_len, reqs=reqs,
-                   stats=stats, timer=timer)  # fmt: skip
+                   stats=stats, timer=timer, copies=copies)  # fmt: skip
         _use_graphs(run, self.device)  # a ValueError now rather than after the prefill
         _check_row_invariant(run, self.device)
         t0 = timer.now()
@@ -925,6 +929,16 @@ class Runner:
         stats.stage_times = dict(timer.times)
         stats.new_tokens = reqs.lengths.tolist()
         return GenerationOutput(tokens=reqs.tokens, stats=stats)
+
+
+def _greedy_copies(config: GenerationConfig, prompts: list[list[int]], limits: list[int]) -> list[int] | None:
+    """For the auto budget's static call test (engine.budget): under greedy decoding, per request the
+    index of the first request with the same prompt and token limit (the two commit the same tokens every
+    round); None otherwise (sampled requests draw independently; fixed budgets do not ask)."""
+    if not config.auto_budget or not config.sampling.greedy:
+        return None
+    first: dict[tuple, int] = {}
+    return [first.setdefault((tuple(p), int(n)), b) for b, (p, n) in enumerate(zip(prompts, limits))]
 
 
 def generate(
