@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 import torch
@@ -177,3 +178,13 @@ class _HostPrefill:
         if self.out.hidden is not None:
             self.out.hidden.copy_(out.hidden)
         return self.out
+
+
+def report_line(line: str, name: str = "engine_gpu.txt") -> None:
+    """Prints a GPU test's measured line and appends it to $OUT/name where $OUT is set (the device
+    call's results folder, scripts/gpu_check.sh)."""
+    print(line)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, name), "a") as f:
+            f.write(line + "\n")

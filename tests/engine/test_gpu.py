@@ -6,7 +6,6 @@ equality is not a bf16 property). Stats go to $OUT/engine_gpu.txt when OUT is se
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import replace
 
 import pytest
@@ -15,18 +14,16 @@ import torch
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
 from kdtree_engine.engine import GenerationConfig, SamplingParams, generate
 from kdtree_engine.model import greedy_generate, random_model, tiny_config
-from tests.engine.helpers import OracleDrafter, pick_only_at_the_end, pick_sequence, random_prompts
+from tests.engine.helpers import (
+    OracleDrafter,
+    pick_only_at_the_end,
+    pick_sequence,
+    random_prompts,
+    report_line,
+)
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
-
-
-def _report(line: str) -> None:
-    print(line)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "engine_gpu.txt"), "a") as f:
-            f.write(line + "\n")
 
 
 def _models(dtype, seed=0):
@@ -48,7 +45,7 @@ def test_invariant_cuda_float32(impl, seed):
         config = GenerationConfig(max_new_tokens=n, method=method, budget=budget, impl=impl)
         out = generate(target, drafter, prompts, config)
         assert out.tokens == expected, (method, budget)
-        _report(f"cuda fp32 impl={impl} seed={seed} budget={budget}: {out.stats.summary()}")
+        report_line(f"cuda fp32 impl={impl} seed={seed} budget={budget}: {out.stats.summary()}")
 
 
 def test_oracle_forward_counts_cuda():
@@ -59,7 +56,7 @@ def test_oracle_forward_counts_cuda():
     out = generate(target, drafter, prompts, GenerationConfig(max_new_tokens=n, method="ddtree", budget=32))
     assert out.tokens == greedy_generate(target, prompts, n)
     assert out.stats.target_forwards == 3
-    _report(f"cuda oracle: {out.stats.summary()}")
+    report_line(f"cuda oracle: {out.stats.summary()}")
 
 
 def test_bf16_and_sampled_run_cuda():
@@ -71,12 +68,12 @@ def test_bf16_and_sampled_run_cuda():
     tree = generate(target, drafter, prompts, config)
     pairs = zip(base.tokens, tree.tokens)
     agree = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), n) for x, y in pairs]
-    _report(f"cuda bf16: first divergence from autoregressive at {agree} of {n}; {tree.stats.summary()}")
+    report_line(f"cuda bf16: first divergence from autoregressive at {agree} of {n}; {tree.stats.summary()}")
     assert all(len(t) == n for t in tree.tokens)
     hot = replace(config, sampling=SamplingParams(temperature=0.8, top_p=0.95))
     sampled = generate(target, drafter, prompts, hot)
     assert [len(t) for t in sampled.tokens] == [n, n]
-    _report(f"cuda bf16 sampled: {sampled.stats.summary()}")
+    report_line(f"cuda bf16 sampled: {sampled.stats.summary()}")
 
 
 @pytest.mark.parametrize(
@@ -99,7 +96,7 @@ def test_cuda_graphs_equal_eager_and_autoregressive(method, budget):
         assert outs[graphs].stats.cuda_graphs == graphs
     assert outs[True].tokens == outs[False].tokens == expected
     assert outs[True].stats.target_forwards == outs[False].stats.target_forwards
-    _report(f"cuda graphs {method} {budget}: {outs[True].stats.summary()}")
+    report_line(f"cuda graphs {method} {budget}: {outs[True].stats.summary()}")
 
 
 def test_cuda_graphs_with_an_eager_drafter_and_sampling():
@@ -207,7 +204,7 @@ def test_auto_budget_graphs_equal_eager_and_autoregressive(monkeypatch):
             assert {f"verify@{k}" for k in auto_buckets(15)} <= keys and {"draft", "draft_wide"} <= keys
     assert outs[True].tokens == outs[False].tokens == expected
     assert set(outs[True].stats.budgets) == set(auto_buckets(15))
-    _report(f"cuda graphs auto: {outs[True].stats.summary()}")
+    report_line(f"cuda graphs auto: {outs[True].stats.summary()}")
 
 
 def test_auto_budget_captures_a_round_first_run_at_a_calls_end(monkeypatch):

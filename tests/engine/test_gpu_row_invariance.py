@@ -11,26 +11,17 @@ requests differ from their alone run without the mode, the difference the mode r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from kdtree_engine.engine import GenerationConfig, generate
+from tests.engine.helpers import report_line
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 IMPL = None  # the kernels CUDA picks
 NEW_TOKENS = 40
 BATCH = 64
-
-
-def _report(line: str) -> None:
-    print(line)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "engine_gpu.txt"), "a") as f:
-            f.write(line + "\n")
 
 
 def _nano():
@@ -90,8 +81,8 @@ def test_a_request_gets_its_alone_tokens_in_a_batch_of_64(setup, method, budget)
     drafter = drafter_for(BATCH)
     differing = _differing(_tokens(target, drafter, batch, method, budget), alone)
     plain = _differing(_tokens(target, drafter, batch, method, budget, invariant=False), alone)
-    _report(f"row invariance, {name}, batch {BATCH}, {method} {budget}: {len(differing)} of {BATCH} requests "
-            f"differ from their alone run with the mode, {len(plain)} without it")  # fmt: skip
+    report_line(f"row invariance, {name}, batch {BATCH}, {method} {budget}: {len(differing)} of {BATCH} "
+                f"requests differ from their alone run with the mode, {len(plain)} without it")  # fmt: skip
     assert differing == [], f"{name} {method} {budget}: requests {differing} differ from their alone run"
 
 

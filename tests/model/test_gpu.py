@@ -5,12 +5,13 @@ on the Triton interpreter equals impl="ref" in float32."""
 
 from __future__ import annotations
 
-import os
+from functools import partial
 
 import pytest
 import torch
 
 from kdtree_engine.model import random_model, tiny_config
+from tests.engine.helpers import report_line
 
 PARENTS = [[-1, 0, 0, 1, 1, 2, 3, 6], [-1, 0, 1, 1, 0, 4, 5, 2]]
 ACCEPTED = [[0, 1, 3], [0, 4, 5, 6]]
@@ -49,11 +50,7 @@ def _scenario(model, impl: str) -> torch.Tensor:
     return torch.cat([x.reshape(-1, v) for x in logits]).float()
 
 
-def _report(line: str) -> None:
-    print(line)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "model_gpu.txt"), "a") as f:
-            f.write(line + "\n")
+_report = partial(report_line, name="model_gpu.txt")
 
 
 def _row_errors(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
