@@ -186,5 +186,4 @@ def test_a_chain_whose_rounds_accept_what_its_s_predicts_is_no_candidate():
     assert calibrated.pick([True, True], must_draft=True) == 16
     untried = _policy_with_chain(0, chain_s=5.0)
     assert untried.calibration.own_ratio(3) is None
-    untried._candidates = untried._candidate_mask()
-    assert untried._candidates.all()
+    assert untried._candidate_mask().all()

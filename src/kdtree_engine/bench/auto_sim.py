@@ -152,14 +152,20 @@ def copies(sc: Scenario) -> list[int] | None:
     batch; None otherwise (random text positions: no two requests alike)."""
     if not (sc.greedy and sc.traces and sc.bench_prompts):
         return None
-    return [b % min(sc.bench_prompts, len(sc.traces)) for b in range(sc.batch)]
+    return _bench_traces(sc).tolist()
+
+
+def _bench_traces(sc: Scenario) -> np.ndarray:
+    """The trace of each request as `bench e2e --prompts sc.bench_prompts` makes them: the first ones
+    cycled over the batch (the first row of a trace's requests is its index)."""
+    return np.arange(sc.batch) % min(sc.bench_prompts, len(sc.traces))
 
 
 def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
     skill = rng.normal(sc.skill_mean, sc.skill_spread, sc.batch)
     reqs = _Requests(skill, rng.normal(0.0, sc.round_noise, sc.batch))
     if sc.traces and sc.bench_prompts:
-        reqs.trace = np.arange(sc.batch) % min(sc.bench_prompts, len(sc.traces))
+        reqs.trace = _bench_traces(sc)
         reqs.offset = np.zeros(sc.batch, dtype=np.int64)
     elif sc.traces:
         reqs.trace = rng.integers(0, len(sc.traces), sc.batch)

@@ -66,9 +66,9 @@ trees the estimates stay as they are (optimism there buys rounds of the larger, 
 The chain at its lower bound. Only the chain's own rounds tell what it commits (a tree round tells its S,
 not its count), while every tree is also told by each larger tree's round: its estimate rests on fewer
 pairs, and a choice that takes it whenever that estimate comes out above the trees' takes it on its
-errors (the winner's curse: kimi-nano's chain expected 6.92 tokens where it was picked and gave 6.36).
-So in the per-round choice the chain's E counts EXPLORE_SDS standard errors below its estimate
-(Calibration.bonus), at least 1: it takes rounds from the trees once its own rounds have shown it better.
+errors (the winner's curse; docs/notes/engine.md). So in the per-round choice the chain's E counts
+EXPLORE_SDS standard errors below its estimate (Calibration.bonus), at least 1: it takes rounds from the
+trees once its own rounds have shown it better.
 
 The chain only where the drafter understates its top-1. The best-first tree of n nodes holds the n
 paths of highest draft probability, so its S is at least the chain's at n >= L nodes; where the
@@ -77,8 +77,8 @@ the chain's cost, commits at least as much. The chain wins only where its rounds
 what their S predicted (a flat drafter whose top-1 is right far more often than it says, and whose
 trees go wide). So the chain is a candidate (in the choice, its steady rate, the exploring and the
 static call's test) only while its own rounds accepted at least CHAIN_MIN_RATIO times the drafted tokens
-their S predicted (Calibration.own_ratio; before its first round, it is). kimi-nano's chain: 1.06-1.29
-(the H100 run of 2026-12-05 23:49 UTC); the scaled-down Kimi's stand-in drafter about 2.8.
+their S predicted (Calibration.own_ratio; before its first round, it is). The ratios measured for
+kimi-nano's drafter and the scaled-down Kimi's stand-in are in docs/engine.md.
 
 Identical greedy requests. Greedy requests with the same prompt and limit commit the same tokens every
 round, so the static call's tail counts them once (`new_call(copies=...)`): a batch of 64 that repeats
@@ -618,6 +618,7 @@ class BudgetPolicy:
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
         chain = chain_bucket(self.buckets)
         self._chain = None if chain is None else self.buckets.index(chain)
+        self._candidates = np.ones(len(self.buckets), dtype=bool)  # _candidate_mask(), set by each pick
         # per bucket index: the indices of the smaller trees whose counts its round tells
         self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
