@@ -26,7 +26,7 @@ desc = TensorDescriptor(torch.zeros(128, 576, dtype=torch.bfloat16), [128, 576],
 SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "kv_ptr": "*bf16", "seqlens_ptr": "*i32",
        "bt_ptr": "*i32", "vis_ptr": "*u8", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32",
        "plse_ptr": "*fp32", "sched_ptr": "*i32"}
-SIG.update({name: "i32" for name in ("NT", "PER", "UNITS", "T", "H", "M", "MB")})
+SIG.update({name: "i32" for name in ("NT", "PER", "UNITS", "GROUPS", "T", "H", "M", "B")})
 SIG["qk_scale"] = "fp32"
 SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_btb", "stride_vb",
                                       "stride_vi")})
@@ -36,7 +36,7 @@ builds = [("visibility", False, 0), ("visibility", True, 0), ("bits", False, 1),
 builds += [("gather", True, 0), ("gather-bits", True, 1), ("gather-device", True, 0)]  # pages of 1 (SGLang)
 builds += [("device", False, 0)]  # the schedule read from the device (a captured forward)
 builds += [("ones", False, 1)]  # with the JIT's constexpr specialization of ints equal to 1
-ONES = ("T", "MB", "page_size", "stride_btb", "NT", "PER")  # t = 1, one row block, a contiguous cache
+ONES = ("T", "B", "GROUPS", "page_size", "stride_btb", "NT", "PER")  # t = 1, b = 1, a contiguous cache
 found = {}
 for name, paged, mode in builds:
     sig = dict(SIG)

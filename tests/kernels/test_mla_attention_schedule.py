@@ -48,11 +48,11 @@ def emulate(q, kv, lengths, vis, scale, d_c, blocks, s: sched.Schedule, grid: in
     part = torch.full((2 * grid, BM, d_c), float("nan"))
     plse = torch.full((2 * grid, BM), float("nan"))
     for c in range(grid):
-        u0, u1 = c * s.per, min(c * s.per + s.per, s.units)
+        u0, u1 = sched.program_units(s, b, c)
         if u0 >= u1:
             continue  # a program with no units writes nothing
         for rb in range(u0 // s.tiles, (u1 - 1) // s.tiles + 1):
-            r, blk = divmod(rb, blocks)
+            r, blk = sched.row_block(rb, b)
             v_lo, v_hi = max(u0 - rb * s.tiles, 0), min(u1 - rb * s.tiles, s.tiles)
             o, l = partial_attention(q[r], kv[r], int(lengths[r]), vis[r], scale, d_c, v_lo * BN, v_hi * BN)
             lo, hi = blk * BM, min((blk + 1) * BM, rows)
@@ -74,6 +74,8 @@ def emulate(q, kv, lengths, vis, scale, d_c, blocks, s: sched.Schedule, grid: in
         (4, 2, 64, [5, 9, 0, 33], 0, 1),  # one program: whole blocks, no merge
         (2, 9, 8, [150, 23], 0, 13),  # aligned: both row blocks of a request cut at the same tiles
         (5, 5, 16, [61, 200, 0, 7, 120], 0, 11),  # aligned, one run per row block: whole blocks
+        (5, 17, 8, [61, 200, 0, 7, 120], 0, 8),  # aligned, 3 row blocks (the last of 8 rows)
+        (7, 9, 16, [40, 3, 90, 0, 66, 12, 31], 0, 5),  # aligned, 3 row blocks over 5 programs: 2 idle
         (1, 2, 32, [200], 0, 13),  # one row block in 7 runs: the merge reads its pieces in several rounds
         (2, 2, 32, [200, 60], 0, 13),  # the same, the second request's runs past its end empty
     ],
@@ -86,7 +88,8 @@ def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare, 
     d_c, scale, rows = 24, 0.3, t * h
     blocks = -(-rows // BM)
     s = sched.schedule(b, blocks, -(-int(lengths.max()) // BN), sms, forced)
-    assert (s.programs - 1) * s.per < s.units <= s.programs * s.per
+    covered = [u for c in range(s.programs) for u in range(*sched.program_units(s, b, c))]
+    assert sorted(covered) == list(range(s.units))  # every unit once
     grid = s.programs + spare
     out, lse, part, plse = emulate(q, kv, lengths, vis, scale, d_c, blocks, s, grid)
     assert s.cuts() or not out.isnan().any()
@@ -96,8 +99,8 @@ def test_pieces_merge_into_the_reference(b, t, h, prefixes, forced, sms, spare, 
     pieces = sched.max_pieces(b, blocks, sms, forced)
     part, plse, out, lse = (x.to(device) for x in (part, plse, out, lse))
     host_out, host_lse = out.clone(), lse.clone()
-    merge_pieces(part, plse, out, lse, device_sched, rows, blocks, BM, cut, pieces)
-    merge_pieces(part, plse, host_out, host_lse, tuple(s), rows, blocks, BM, cut, pieces)  # from the host
+    merge_pieces(part, plse, out, lse, device_sched, rows, BM, cut, pieces)
+    merge_pieces(part, plse, host_out, host_lse, s, rows, BM, cut, pieces)  # from the host
     assert torch.equal(host_out.nan_to_num(7.0), out.nan_to_num(7.0)) and torch.equal(host_lse, lse)
     out, lse = out.cpu(), lse.cpu()
     want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c)
@@ -116,7 +119,8 @@ def test_device_schedule_equals_the_specification(device):
         want = sched.schedule(b, blocks, -(-int(lengths.max()) // 64), sms, forced)
         got = sched.device_schedule(lengths.to(device), blocks, sms, 64, forced)
         assert tuple(got.tolist()) == tuple(want)
-        pieces = [((rb * want.tiles + want.tiles - 1) // want.per) - (rb * want.tiles) // want.per + 1
+        spans = [sched.program_units(want, b, c) for c in range(want.programs)]
+        pieces = [sum(u0 < (rb + 1) * want.tiles and u1 > rb * want.tiles for u0, u1 in spans)
                   for rb in range(b * blocks)]  # fmt: skip
         assert max(pieces) <= sched.max_pieces(b, blocks, sms, forced)
         cut = sum(n > 1 for n in pieces)
@@ -125,32 +129,47 @@ def test_device_schedule_equals_the_specification(device):
         assert want.programs <= (b * blocks * forced if forced else sms)
 
 
-def test_schedule_is_balanced():
+def test_schedule_is_balanced(monkeypatch):
     # Kimi verify at b = 16, t = 9, h = 64, s = 4k on 132 multiprocessors: 144 row blocks of 33 tiles
+    monkeypatch.setattr(sched, "ALIGN_SLACK", (0, 1))  # flat
     s = sched.schedule(16, 9, 33, 132)
     assert s.programs <= 132 and s.per == -(-16 * 9 * 33 // 132) and s.cuts() and s.tiles == 33
+    monkeypatch.undo()  # aligned: 14 programs per plane, 126 in all, 38 tiles each (36 flat)
+    assert tuple(sched.schedule(16, 9, 33, 132)) == (33, 38, 16 * 9 * 33, 126, 14)
     # many row blocks per program: whole blocks, no pieces
     s = sched.schedule(64, 33, 2, 132)
     assert s.per % 2 == 0 and not s.cuts() and s.programs <= 132 and s.tiles == 2
 
 
+def aligned_runs(s: sched.Schedule, b: int, blocks: int) -> list[set]:
+    """Per program group g: the in-plane unit ranges its programs take in each plane."""
+    plane = b * s.tiles
+    spans = [
+        [sched.program_units(s, b, blk * s.groups + g) for blk in range(blocks)] for g in range(s.groups)
+    ]
+    return [{(u0 - blk * plane, u1 - blk * plane) for blk, (u0, u1) in enumerate(runs)} for runs in spans]
+
+
 @pytest.mark.parametrize(
     "b,blocks,tiles,want",
     [
-        (16, 2, 513, (516, 129, 16 * 2 * 516, 128)),  # h = 8, t = 9, s = 32k: 4 runs per row block
-        (16, 2, 65, (68, 17, 16 * 2 * 68, 128)),  # s = 4k (balanced: 16 tiles per program)
-        (64, 2, 513, (513, 513, 64 * 2 * 513, 128)),  # one run: whole row blocks, no merge
-        (1, 9, 513, (518, 37, 9 * 518, 126)),  # h = 64, t = 9, b = 1 (balanced: 35)
+        (16, 2, 513, (513, 125, 16 * 2 * 513, 2 * 66, 66)),  # h = 8, t = 9, s = 32k: 125 tiles a program
+        (16, 3, 65, (65, 24, 16 * 3 * 65, 3 * 44, 44)),  # h = 8, t = 17, s = 4k: 3 planes of 44 programs
+        (64, 3, 65, (65, 95, 64 * 3 * 65, 3 * 44, 44)),  # the same at b = 64 (a run spans 2 requests)
+        (64, 2, 513, (513, 498, 64 * 2 * 513, 2 * 66, 66)),  # b = 64, s = 32k: most row blocks cut
+        (1, 9, 513, (513, 37, 9 * 513, 9 * 14, 14)),  # h = 64, t = 9, b = 1 (126 programs)
     ],
 )
 def test_schedule_aligns_the_row_blocks_of_a_request(b, blocks, tiles, want):
     s = sched.schedule(b, blocks, tiles, 132)
     assert tuple(s) == want
-    # runs start at the same tile in every row block: program c covers tiles (c % runs) * per onwards
-    assert s.tiles % s.per == 0 and s.programs == b * blocks * (s.tiles // s.per)
+    # program g of every plane takes the same units of its plane: the same requests' same tiles
+    assert all(len(runs) == 1 for runs in aligned_runs(s, b, blocks))
 
 
-@pytest.mark.parametrize("b,blocks,tiles", [(16, 2, 513), (16, 3, 200), (16, 9, 33), (40, 2, 100)])
+@pytest.mark.parametrize(
+    "b,blocks,tiles", [(16, 2, 513), (16, 3, 200), (16, 9, 33), (40, 2, 100), (16, 17, 65)]
+)
 def test_schedule_aligns_only_within_its_slack(b, blocks, tiles, monkeypatch):
     balanced_per = max(-(-b * blocks * tiles // 132), min(tiles, sched.MIN_TILES))
     s = sched.schedule(b, blocks, tiles, 132)
@@ -158,4 +177,4 @@ def test_schedule_aligns_only_within_its_slack(b, blocks, tiles, monkeypatch):
     assert s.programs <= 132 and s.per * den <= balanced_per * num
     monkeypatch.setattr(sched, "ALIGN_SLACK", (0, 1))  # never aligned: the plain balanced cut
     s = sched.schedule(b, blocks, tiles, 132)
-    assert s.tiles == tiles and s.per == balanced_per
+    assert s.groups == 0 and s.tiles == tiles and s.per == balanced_per

@@ -2,7 +2,8 @@
 balanced persistent schedule.
 
 One program per multiprocessor walks its units of the schedule (kernels/mla_attention_schedule.py:
-(row block, tile) units, 64 query rows x 64 cache slots, read from the device). Per row block it
+(row block, tile) units, 64 query rows x 64 cache slots, row blocks numbered plane by plane, read from
+the device; a request's row blocks aligned on programs that run at the same time). Per row block it
 computes the whole attention of those rows over its tiles: tiles inside the prefix without a mask,
 the rest with the tree mask (visibility, ancestor bits or causal) and with the slots past the
 request's length zeroed. A row block covered by one program is written final; a cut one is written
@@ -136,7 +137,7 @@ class Job:
     T: gl.tensor
     H: gl.tensor
     M: gl.tensor
-    MB: gl.tensor
+    B: gl.tensor
     NT: gl.tensor
     u0: gl.tensor
     u1: gl.tensor
@@ -151,7 +152,7 @@ class Job:
 
     @gluon.constexpr_function
     def __init__(self, q_ptr, desc, kv_ptr, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr,
-                 plse_ptr, T, H, M, MB, NT, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb,
+                 plse_ptr, T, H, M, B, NT, u0, u1, c, qk_scale, cap, page_size, stride_qb, stride_btb,
                  stride_vb, stride_vi):  # fmt: skip
         for name, value in list(locals().items()):
             if name != "self":
@@ -199,8 +200,8 @@ def _block(job, rb, MASK_MODE: gl.constexpr):
     """Row block rb of this program: (b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free). Its tiles
     in this program are v_lo .. v_hi - 1, those holding slots a row may see v_lo .. v_end - 1; tiles
     below n_free lie wholly inside the prefix (no mask). Causal: no row sees past its block's last node."""
-    b = rb // job.MB
-    blk = rb - b * job.MB
+    blk = rb // job.B  # plane-major: row block blk of request b
+    b = rb - blk * job.B
     v_lo = gl.maximum(job.u0 - rb * job.NT, 0)
     v_hi = gl.minimum(job.u1 - rb * job.NT, job.NT)
     seqlen = gl.load(job.seqlens_ptr + b).to(gl.int32)
@@ -518,14 +519,15 @@ def _attention_kernel(
     lse_ptr,  # [b, M] float32
     part_ptr,  # [2 * programs, BM, D_C] float32: the pieces of cut row blocks
     plse_ptr,  # [2 * programs, BM] float32
-    sched_ptr,  # int32 [4]: NT, PER, units, programs (mla_attention_schedule), when SCHED_ON_DEVICE
+    sched_ptr,  # int32 [5]: NT, PER, units, programs, groups (mla_attention_schedule), when SCHED_ON_DEVICE
     NT,  # else the schedule from the host: tiles per row block,
     PER,  # tiles per program,
-    UNITS,  # and units
+    UNITS,  # units,
+    GROUPS,  # and programs per plane (0: flat)
     T,
     H,
     M,
-    MB,  # row blocks per request
+    B,  # requests
     qk_scale,  # softmax scale * log2(e)
     cap,  # rows per request of a contiguous cache
     page_size,
@@ -547,12 +549,19 @@ def _attention_kernel(
         nt = gl.load(sched_ptr)
         per = gl.load(sched_ptr + 1)
         units = gl.load(sched_ptr + 2)
+        groups = gl.load(sched_ptr + 4)
     else:
         nt = gl.to_tensor(NT)
         per = gl.to_tensor(PER)
         units = gl.to_tensor(UNITS)
-    u0 = c * per
+        groups = gl.to_tensor(GROUPS)
+    u0 = c * per  # flat: units c * PER onwards (none past the end)
     u1 = gl.minimum(u0 + per, units)
+    if groups > 0:  # aligned: the (c % G)-th run of plane c // G
+        plane = gl.to_tensor(B) * nt
+        lo = (c % groups) * per
+        u0 = gl.minimum((c // groups) * plane + gl.minimum(lo, plane), units)
+        u1 = gl.minimum((c // groups) * plane + gl.minimum(lo + per, plane), units)
     qc_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_C], dtype)
     qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, D_R], dtype)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
@@ -577,7 +586,7 @@ def _attention_kernel(
         mbarrier.init(sync.index(k), count=1)
     # (scalars as tensors: the JIT passes an int argument equal to 1 as a constexpr)
     job = Job(q_ptr, desc, kv_ptr, seqlens_ptr, bt_ptr, vis_ptr, out_ptr, lse_ptr, part_ptr, plse_ptr,
-              gl.to_tensor(T), gl.to_tensor(H), gl.to_tensor(M), gl.to_tensor(MB), nt, u0, u1, c,
+              gl.to_tensor(T), gl.to_tensor(H), gl.to_tensor(M), gl.to_tensor(B), nt, u0, u1, c,
               gl.to_tensor(qk_scale), gl.to_tensor(cap), gl.to_tensor(page_size), gl.to_tensor(stride_qb),
               gl.to_tensor(stride_btb), gl.to_tensor(stride_vb), gl.to_tensor(stride_vi))  # fmt: skip
     sm = Smem(qc_smem, qr_smem, kc_smem, kr_smem, p_smem, a_smem, l_smem, full_r, full_0, full_1,
@@ -593,7 +602,6 @@ class Launch:
     (False only when the plan knew no row block is cut)."""
 
     programs: int
-    blocks: int  # row blocks (of BLOCK_M query rows) per request
     host: Schedule | None
     sched: torch.Tensor  # int32 [4] on the device (when host is None)
     part: torch.Tensor  # [2 * programs, BLOCK_M, d_c] float32
@@ -620,7 +628,7 @@ def plan(p: Problem, device: torch.device, max_seqlen: int | None, forced: int =
     plse = torch.empty(2 * programs, BLOCK_M, dtype=torch.float32, device=device)
     pieces = schedule.max_pieces(p.b, blocks, sms, forced)
     cut = schedule.cut_blocks(p.b, blocks, programs, forced)
-    return Launch(programs, blocks, host, sched, part, plse, merge, cut, pieces)
+    return Launch(programs, host, sched, part, plse, merge, cut, pieces)
 
 
 def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
@@ -632,17 +640,17 @@ def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out
                          "16-byte aligned too")  # fmt: skip
     _launch_kernel(launch, p, q, kv_cache, out, lse)
     if launch.merge:
-        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, launch.blocks,
+        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows,
                      BLOCK_M, launch.cut_blocks, launch.max_pieces)  # fmt: skip
 
 
 def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
     """The kernel alone: final rows into out / lse, the cut row blocks' pieces into the workspace."""
     page_size = kv_cache.shape[1] if p.paged else 1
-    nt, per, units = launch.host[:3] if launch.host else (0, 0, 0)
+    nt, per, units, _, groups = launch.host or (0, 0, 0, 0, 0)
     _attention_kernel[(launch.programs,)](
         q, cache_desc(kv_cache), kv_cache, p.seqlens, p.table, p.mask.tensor, out, lse, launch.part,
-        launch.plse, launch.sched, nt, per, units, p.t, p.h, p.rows, launch.blocks, p.qk_scale,
+        launch.plse, launch.sched, nt, per, units, groups, p.t, p.h, p.rows, p.b, p.qk_scale,
         kv_cache.shape[1], page_size, q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
         D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode,
         GATHER=gathers(kv_cache, p.paged), SCHED_ON_DEVICE=launch.host is None,

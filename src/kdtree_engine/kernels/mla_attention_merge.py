@@ -8,8 +8,8 @@ Two layouts, one fold:
   block is cut iff a program boundary falls strictly inside it, and then its pieces are the slots of
   the programs that met it. At most min(row blocks, programs - 1) row blocks are cut (fewer tiles
   per program than per row block needs fewer row blocks than programs), which sizes the grid. The
-  schedule (NT tiles per row block, PER tiles per program, units) is read from the device, so the
-  merge needs no host value of the lengths.
+  schedule (NT tiles per row block, PER tiles per program, units, programs per plane) is read from the
+  device, so the merge needs no host value of the lengths.
 Pieces are read BLOCK_S at a time, each group's lse and partials in one round of loads, folded in
 online. A piece that saw nothing has lse -inf; its weight 0 is applied with a select, so NaN in its
 (unwritten) partial cannot leak.
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import mla_attention_schedule as schedule
 from kdtree_engine.kernels._align import aligned, stride_align
 
 MERGE_SPLITS = 32  # the most pieces per round of loads on a GPU (a warp per 4 of them)
@@ -82,27 +83,31 @@ def _merge_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, M, num_splits, st
     _store(m, total, acc, out_ptrs, lse_ptr + b.to(tl.int64) * M + rows, row_ok, dc_ok)
 
 
-@triton.jit(do_not_specialize=["M", "MB", "NT", "PER", "UNITS"])
-def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, NT, PER, UNITS, M, MB,
+@triton.jit(do_not_specialize=["M", "B", "NT", "PER", "UNITS", "GROUPS"])
+def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, NT, PER, UNITS, GROUPS, M, B,
                          D_C: tl.constexpr, BLOCK_DC: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_S: tl.constexpr, SCHED_ON_DEVICE: tl.constexpr):  # fmt: skip
     """Program (j, r): rows r * BLOCK_R .. of the j-th row block that may be cut. With fewer tiles per
     program than per row block (PER < NT) every row block is cut: j is the row block; otherwise a row
-    block holds at most one program boundary: j is the boundary, and cuts the block it falls inside."""
+    block holds at most one program boundary: j is the boundary (program j's last unit), and cuts the
+    block it falls inside. Row blocks are numbered plane by plane (mla_attention_schedule)."""
     j = tl.program_id(0)
-    nt, per, n_units = NT, PER, UNITS  # the schedule from the host, or:
+    nt, per, n_units, groups = NT, PER, UNITS, GROUPS  # the schedule from the host, or:
     if SCHED_ON_DEVICE:
         nt = tl.load(sched_ptr)
         per = tl.load(sched_ptr + 1)
         n_units = tl.load(sched_ptr + 2)
-    at = (j + 1) * per  # the first unit of program j + 1
+        groups = tl.load(sched_ptr + 4)
+    plane = B * nt
+    _, at = schedule.program_units_jit(j, per, n_units, plane, groups)
     rb = tl.where(per < nt, j, at // nt)
     if (per < nt) | ((at < n_units) & (at % nt != 0)):
-        c0 = (rb * nt) // per
-        n = (rb * nt + nt - 1) // per - c0 + 1  # programs that met row block rb: its pieces
-        b = rb // MB
+        b, blk = rb % B, rb // B
+        first = tl.where(groups > 0, b * nt, rb * nt)  # the block's first unit in its program numbering
+        c0 = tl.where(groups > 0, blk * groups, 0) + first // per
+        n = (first + nt - 1) // per - first // per + 1  # programs that met row block rb: its pieces
         local = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] rows inside the block
-        rows = (rb - b * MB) * BM + local
+        rows = blk * BM + local
         row_ok = (local < BM) & (rows < M)
         offs_dc = tl.arange(0, BLOCK_DC)
         offs_s = tl.arange(0, BLOCK_S)
@@ -112,7 +117,8 @@ def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, NT, PE
         acc = tl.zeros([BLOCK_R, BLOCK_DC], tl.float32)
         for s0 in range(0, n, BLOCK_S):
             c = c0 + s0 + offs_s  # [BS] programs
-            slot = (2 * c + ((c * per) // nt != rb).to(tl.int32)).to(tl.int64) * BM
+            u0, _ = schedule.program_units_jit(c, per, n_units, plane, groups)
+            slot = (2 * c + (u0 // nt != rb).to(tl.int32)).to(tl.int64) * BM
             ok = row_ok[:, None] & (s0 + offs_s < n)[None, :]
             lse_s = tl.load(plse_ptr + slot[None, :] + local[:, None], mask=ok, other=float("-inf"))
             ptrs = part_ptr + (slot[None, :, None] + local[:, None, None]) * D_C + offs_dc[None, None, :]
@@ -147,19 +153,19 @@ def merge_splits(
     )  # fmt: skip
 
 
-def merge_pieces(part, plse, out, lse, sched, rows: int, blocks: int, block_m: int, cut_blocks: int,
-                 max_pieces: int) -> None:  # fmt: skip
+def merge_pieces(
+    part, plse, out, lse, sched, rows: int, block_m: int, cut_blocks: int, max_pieces: int
+) -> None:
     """The scheduled layout: part [2 * programs, block_m, d_c] float32, plse [2 * programs, block_m],
-    sched (NT, PER, units): a tuple of ints from the host, or int32 [>= 3] on the device; out [b, rows,
-    d_c], lse [b, rows] get the cut
-    row blocks (blocks per request). cut_blocks bounds how many row blocks are cut (the grid);
-    max_pieces bounds the pieces of one row block (sizes the rounds)."""
+    sched (NT, PER, units, programs, groups): a Schedule from the host, or int32 [5] on the device;
+    out [b, rows, d_c], lse [b, rows] get the cut row blocks. cut_blocks bounds how many row blocks are
+    cut (the grid); max_pieces bounds the pieces of one row block (sizes the rounds)."""
     d_c = part.shape[2]
     block_r, block_s, warps = _round_shape(max_pieces, part.is_cuda)
     on_device = isinstance(sched, torch.Tensor)
-    nt, per, units = (0, 0, 0) if on_device else sched[:3]
+    nt, per, units, _, groups = (0, 0, 0, 0, 0) if on_device else sched
     _merge_pieces_kernel[(max(cut_blocks, 1), triton.cdiv(block_m, block_r))](
-        part, plse, out, lse, sched if on_device else plse, nt, per, units, rows, blocks, D_C=d_c,
-        BLOCK_DC=triton.next_power_of_2(d_c), BM=block_m, BLOCK_R=block_r, BLOCK_S=block_s,
+        part, plse, out, lse, sched if on_device else plse, nt, per, units, groups, rows, out.shape[0],
+        D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BM=block_m, BLOCK_R=block_r, BLOCK_S=block_s,
         SCHED_ON_DEVICE=on_device, num_warps=warps,
     )  # fmt: skip

@@ -1,17 +1,23 @@
 """The Hopper kernel's balanced schedule: which (row block, tile) units each persistent program takes.
 
 The work of a forward is b * MB row blocks (64 query rows each) of NT tiles (64 cache slots each), one
-unit per (row block, tile), NT covering the longest request. Program c takes units c * PER .. c * PER
-+ PER - 1. `schedule` is the specification, in Python; `device_schedule` computes the same numbers on
-the device from the lengths (one tiny launch per forward, no host read), so a captured forward replays
-it for new lengths. Rules:
+unit per (row block, tile), NT covering the longest request. Units are numbered plane by plane: plane
+m holds row block m of every request, so row block (request r, block m) is rb = m * b + r and its
+units are rb * NT .. rb * NT + NT - 1. A plane has P = b * NT units. Two layouts of programs:
+- flat (groups = 0): program c takes units c * PER .. c * PER + PER - 1;
+- aligned (groups = G > 0): program c takes units c0 .. c0 + PER - 1 of plane c // G, c0 being
+  (c % G) * PER, clipped to the plane. Programs c, c + G, c + 2G, ... cover the same requests' same
+  tiles in row blocks 0, 1, 2, ...: they run at the same time, so each tile comes from DRAM once and
+  from the L2 for the other row blocks (h = 8, t = 17 has 3 row blocks: otherwise 3 DRAM reads).
+`schedule` is the specification, in Python; `device_schedule` computes the same numbers on the device
+from the lengths (one tiny launch per forward, no host read), so a captured forward replays it for new
+lengths. Rules:
 - balanced: PER = max(cdiv(units, programs), min(NT, MIN_TILES)); when that is at least 4 row blocks,
   whole row blocks (imbalance <= 1/4, no cut, no merge);
-- aligned: a request of several row blocks, each cut, has them cut at the same tiles when that costs
-  at most ALIGN_SLACK of balance, so the programs of one run read the same cache tiles at about the
-  same time (from the L2 after the first); its row blocks are then padded to a whole number of runs
-  (tiles past a request's end are no work);
-- forced (tests): each row block cut into `forced` runs.
+- aligned when a request has several row blocks: G = multiprocessors // MB programs per plane and PER
+  balanced over a plane's units (the same rounding to whole row blocks), kept when it is at most
+  ALIGN_SLACK of the flat PER (the multiprocessors past MB * G stay idle);
+- forced (tests): each row block cut into `forced` runs, flat.
 """
 
 from __future__ import annotations
@@ -25,20 +31,32 @@ import triton.language as tl
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 
 MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
-ALIGN_SLACK = (11, 10)  # an aligned cut may make PER at most 11/10 of the balanced one
+ALIGN_SLACK = (11, 10)  # the aligned PER may be at most 11/10 of the flat one
 _MIN_TILES = tl.constexpr(MIN_TILES)
 _SLACK_NUM, _SLACK_DEN = tl.constexpr(ALIGN_SLACK[0]), tl.constexpr(ALIGN_SLACK[1])
+FIELDS = 5  # the numbers of a schedule, as the device holds them
 
 
 class Schedule(NamedTuple):
-    tiles: int  # NT: tiles per row block in the launch (>= the longest request's)
+    tiles: int  # NT: tiles per row block (those of the longest request)
     per: int  # PER: tiles per program
     units: int  # b * MB * NT
-    programs: int  # programs with work: cdiv(units, PER)
+    programs: int  # programs with work (aligned: MB * G, some of them maybe without)
+    groups: int  # G: programs per plane when aligned, 0 when flat
 
     def cuts(self) -> bool:
         """Whether some row block is covered by several programs (then partials and a merge)."""
-        return self.per % self.tiles != 0 and self.programs > 1
+        return self.per % self.tiles != 0 and (self.groups if self.groups else self.programs) > 1
+
+
+def _cdiv_int(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _balanced(units: int, tiles: int, programs: int) -> int:
+    """PER for `units` over `programs`: at least min(tiles, MIN_TILES), whole row blocks from 4 up."""
+    per = max(_cdiv_int(units, max(programs, 1)), min(tiles, MIN_TILES))
+    return _cdiv_int(per, tiles) * tiles if per >= 4 * tiles else per
 
 
 def schedule(b: int, blocks: int, tiles: int, sms: int, forced: int = 0) -> Schedule:
@@ -46,18 +64,30 @@ def schedule(b: int, blocks: int, tiles: int, sms: int, forced: int = 0) -> Sche
     tiles = max(tiles, 1)
     units = b * blocks * tiles
     if forced:
-        per = -(-tiles // forced)
-        return Schedule(tiles, per, units, -(-units // per))
-    per = max(-(-units // max(sms, 1)), min(tiles, MIN_TILES))
-    if per >= 4 * tiles:
-        per = -(-per // tiles) * tiles
-    runs = sms // (b * blocks) if blocks > 1 and per < tiles else 0
-    if runs >= 1:
-        aligned = max(-(-tiles // runs), min(tiles, MIN_TILES))
+        per = _cdiv_int(tiles, forced)
+        return Schedule(tiles, per, units, _cdiv_int(units, per), 0)
+    per = _balanced(units, tiles, sms)
+    groups = sms // blocks
+    if blocks > 1 and groups >= 1:
+        aligned = _balanced(b * tiles, tiles, groups)
         if aligned * ALIGN_SLACK[1] <= per * ALIGN_SLACK[0]:
-            padded = -(-tiles // aligned) * aligned
-            return Schedule(padded, aligned, b * blocks * padded, b * blocks * (padded // aligned))
-    return Schedule(tiles, per, units, -(-units // per))
+            groups = _cdiv_int(b * tiles, aligned)
+            return Schedule(tiles, aligned, units, blocks * groups, groups)
+    return Schedule(tiles, per, units, _cdiv_int(units, per), 0)
+
+
+def program_units(s: Schedule, b: int, c: int) -> tuple[int, int]:
+    """(u0, u1): program c's units u0 .. u1 - 1 under schedule s of b requests (u0 == u1: none)."""
+    if not s.groups:
+        return min(c * s.per, s.units), min(c * s.per + s.per, s.units)
+    plane = b * s.tiles
+    base, lo = (c // s.groups) * plane, (c % s.groups) * s.per
+    return min(base + min(lo, plane), s.units), min(base + min(lo + s.per, plane), s.units)
+
+
+def row_block(rb: int, b: int) -> tuple[int, int]:
+    """(request, block of the request) of row block rb (plane-major numbering)."""
+    return rb % b, rb // b
 
 
 def max_pieces(b: int, blocks: int, sms: int, forced: int = 0) -> int:
@@ -77,10 +107,18 @@ def _cdiv(a, b):
     return (a + b - 1) // b
 
 
+@triton.jit
+def _balanced_per(units, tiles, programs):
+    per = tl.maximum(_cdiv(units, tl.maximum(programs, 1)), tl.minimum(tiles, _MIN_TILES))
+    if per >= 4 * tiles:
+        per = _cdiv(per, tiles) * tiles
+    return per
+
+
 @triton.jit(do_not_specialize=["B", "MB", "SMS", "FORCED"])
 def _schedule_kernel(seqlens_ptr, sched_ptr, B, MB, SMS, FORCED, BN: tl.constexpr, BLOCK_B: tl.constexpr):
-    """sched_ptr [4] int32 <- schedule(B, MB, cdiv(max seqlens, BN), SMS, FORCED) (tiles, per, units,
-    programs); one program, the same integer arithmetic as `schedule`."""
+    """sched_ptr [5] int32 <- schedule(B, MB, cdiv(max seqlens, BN), SMS, FORCED) (tiles, per, units,
+    programs, groups); one program, the same integer arithmetic as `schedule`."""
     longest = B * 0
     for b0 in range(0, B, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
@@ -89,31 +127,38 @@ def _schedule_kernel(seqlens_ptr, sched_ptr, B, MB, SMS, FORCED, BN: tl.constexp
         )
     tiles = tl.maximum(_cdiv(longest, BN), 1)
     units = B * MB * tiles
+    groups = B * 0
     if FORCED > 0:
         per = _cdiv(tiles, FORCED)
     else:
-        per = tl.maximum(_cdiv(units, tl.maximum(SMS, 1)), tl.minimum(tiles, _MIN_TILES))
-        if per >= 4 * tiles:
-            per = _cdiv(per, tiles) * tiles
-        runs = SMS * 0
-        if (MB > 1) & (per < tiles):
-            runs = SMS // (B * MB)
-        if runs >= 1:
-            aligned = tl.maximum(_cdiv(tiles, runs), tl.minimum(tiles, _MIN_TILES))
+        per = _balanced_per(units, tiles, SMS)
+        if (MB > 1) & (SMS // MB >= 1):
+            aligned = _balanced_per(B * tiles, tiles, SMS // MB)
             if aligned * _SLACK_DEN <= per * _SLACK_NUM:
-                tiles = _cdiv(tiles, aligned) * aligned
                 per = aligned
-                units = B * MB * tiles
+                groups = _cdiv(B * tiles, aligned)
     tl.store(sched_ptr, tiles)
     tl.store(sched_ptr + 1, per)
     tl.store(sched_ptr + 2, units)
-    tl.store(sched_ptr + 3, _cdiv(units, per))
+    tl.store(sched_ptr + 3, tl.where(groups > 0, MB * groups, _cdiv(units, per)))
+    tl.store(sched_ptr + 4, groups)
 
 
 def device_schedule(seqlens: torch.Tensor, blocks: int, sms: int, tile: int, forced: int = 0) -> torch.Tensor:
-    """int32 [4] on seqlens' device: `schedule` of this forward (tiles, per, units, programs)."""
-    sched = torch.empty(4, dtype=torch.int32, device=seqlens.device)
+    """int32 [FIELDS] on seqlens' device: `schedule` of this forward (tiles, per, units, programs, groups)."""
+    sched = torch.empty(FIELDS, dtype=torch.int32, device=seqlens.device)
     b = seqlens.shape[0]
     block_b = min(triton.next_power_of_2(max(b, 1)), 1024)
     _schedule_kernel[(1,)](seqlens, sched, b, blocks, sms, forced, BN=tile, BLOCK_B=block_b)
     return sched
+
+
+@triton.jit
+def program_units_jit(c, per, n_units, plane, groups):
+    """(u0, u1) of program(s) c, as `program_units` (plane = b * NT)."""
+    g = tl.maximum(groups, 1)
+    base = (c // g) * plane
+    lo = (c - (c // g) * g) * per
+    u0 = tl.where(groups > 0, base + tl.minimum(lo, plane), c * per)
+    u1 = tl.where(groups > 0, base + tl.minimum(lo + per, plane), c * per + per)
+    return tl.minimum(u0, n_units), tl.minimum(u1, n_units)
