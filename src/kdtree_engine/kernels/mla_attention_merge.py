@@ -99,7 +99,7 @@ def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, NT, PE
         n_units = tl.load(sched_ptr + 2)
         groups = tl.load(sched_ptr + 4)
     plane = B * nt
-    _, at = schedule.program_units_jit(j, per, n_units, plane, groups)
+    at = schedule.program_units_jit(j, per, n_units, plane, groups)[1]
     rb = tl.where(per < nt, j, at // nt)
     if (per < nt) | ((at < n_units) & (at % nt != 0)):
         b, blk = rb % B, rb // B
@@ -117,7 +117,7 @@ def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, NT, PE
         acc = tl.zeros([BLOCK_R, BLOCK_DC], tl.float32)
         for s0 in range(0, n, BLOCK_S):
             c = c0 + s0 + offs_s  # [BS] programs
-            u0, _ = schedule.program_units_jit(c, per, n_units, plane, groups)
+            u0 = schedule.program_units_jit(c, per, n_units, plane, groups)[0]
             slot = (2 * c + (u0 // nt != rb).to(tl.int32)).to(tl.int64) * BM
             ok = row_ok[:, None] & (s0 + offs_s < n)[None, :]
             lse_s = tl.load(plse_ptr + slot[None, :] + local[:, None], mask=ok, other=float("-inf"))
