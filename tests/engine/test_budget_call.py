@@ -169,3 +169,23 @@ def test_a_decisive_answer_is_kept_for_a_few_rounds_but_not_near_the_end():
     assert test.kept_answer(63.0) is None  # in the last `depth` tokens
     assert not test.decide(np.array([1.1, 1.0, 3.0]), 0, most=200.0)  # trees a little faster: not kept
     assert test.kept_answer(200.0) is None
+
+
+def test_the_calls_test_prices_steps_at_what_steps_in_a_row_cost():
+    """Steps read between tree rounds cost 1.8 (they carry the host's work for the trees), steps read
+    after a step 1.0: trees at 2.0 commit 1.5 tokens a round, so steps end the call sooner at 1.0 a
+    token, not at 1.8; the call's test takes the steady price, the cost table keeps the mixed one."""
+    costs = {0: 1.8, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    active, left = [True] * 4, [120] * 4
+    untold = _policy_after_a_round(costs, 4, accepted=0.5, rounds=400)
+    assert untold.pick(active, must_draft=False, remaining=left) != 0  # no steady step measured
+    policy = _policy_after_a_round(costs, 4, accepted=0.5, rounds=400)
+    policy.observe(0, 1.8, range(4), [1] * 4, None)  # a step after a tree round: not steady
+    assert policy.step_costs.estimate(0) == 0.0
+    for _ in range(MIN_COST_ROUNDS):
+        policy.observe(0, 1.0, range(4), [1] * 4, None)  # steps in a row
+    assert policy.costs.estimate(0) == pytest.approx(1.8) and policy.step_costs.estimate(0) == 1.0
+    assert policy.pick(active, must_draft=False, remaining=left) == 0
+    policy.new_call()  # a new call's first read follows no step
+    policy.observe(0, 5.0, range(4), [1] * 4, None)
+    assert policy.step_costs.estimate(0) == 1.0

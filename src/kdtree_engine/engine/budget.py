@@ -51,7 +51,10 @@ same every round) it picks what the ratio sum_b E_b(n) / c(n) picks; where it do
 steady bucket only for a round whose extra tokens pay for its extra time. In a static
 call (generate(): the engine passes each request's tokens left), first the static call's test
 (engine.budget_call): an autoregressive step whenever steps alone would end the call sooner than any
-bucket used for every round from here, the last request's tail counted.
+bucket used for every round from here, the last request's tail counted. It prices a step at what a
+step read right after a step costs, where that is measured and clearly cheaper (STEADY_STEP_MARGIN)
+than the cost table's step: a step read between speculative rounds also carries the host's work for
+them (reading, committing and learning from a tree round), which a call of steps does not pay.
 
 Exploring against steps. An autoregressive step teaches nothing about the trees, so a tree bucket whose
 estimate came out low from a few unlucky rounds (a call's first rounds, at the start of its texts)
@@ -109,6 +112,7 @@ STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many roun
 STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
 EXPLORE_SDS = 2.0  # standard errors above its estimate a tree bucket counts at against a step
 CHAIN_MIN_RATIO = 1.5  # the chain's accepted over predicted drafted tokens below which it is out
+STEADY_STEP_MARGIN = 0.9  # steps in a row price the call's steps once below this share of the table's
 
 
 def path_probabilities(
@@ -597,12 +601,14 @@ class BudgetPolicy:
     depth: int
     calibration: Calibration = field(init=False)
     costs: CostTable = field(init=False)
+    step_costs: CostTable = field(init=False)  # steps read right after a step: what a call of steps pays
     paces: Paces = field(init=False)  # each request's pace, the spread between requests (static calls)
     call_test: CallTest = field(init=False)  # the static call's test and its kept answer
     sums: np.ndarray = field(init=False)  # [rows, buckets]: each request row's last S read, NaN: none
     age: np.ndarray = field(init=False)  # [rows]: rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
     stepping: bool = False  # this call is given to autoregressive steps: no draft until it ends
+    last_read: int | None = None  # the bucket of this call's last round read
     copies: np.ndarray | None = field(init=False, default=None)  # [rows]: first row of its greedy copies
     pending: deque = field(default_factory=deque)  # _Choice per round picked and not read yet
     chosen: dict[int, int] = field(default_factory=dict)  # rounds read per bucket
@@ -614,6 +620,7 @@ class BudgetPolicy:
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
         self.costs = CostTable(self.buckets)
+        self.step_costs = CostTable((0,))
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
         chain = chain_bucket(self.buckets)
@@ -634,7 +641,7 @@ class BudgetPolicy:
         self.paces.new_call()
         self.call_test = CallTest(self.depth)
         self.pending.clear()
-        self.streak, self.stepping = 0, False
+        self.streak, self.stepping, self.last_read = 0, False, None
         for tally in (self.chosen, self.predicted, self.expected, self.observed, self.requests):
             tally.clear()
 
@@ -770,6 +777,7 @@ class BudgetPolicy:
         pace, pace_variance = self.paces.estimate(rows)
         left = np.maximum(left[rows], 1.0)
         ybar, variance = self.calibration.long_run()
+        costs = self._call_costs(costs)
         seconds = self._call_seconds(costs, left, ybar, variance, pace, pace_variance)
         steps = self.call_test.decide(seconds, self.buckets.index(0), most)
         if steps and self.call_test.kept:  # decisive: the call is given to steps only if the trees'
@@ -778,6 +786,19 @@ class BudgetPolicy:
             if not self.call_test.decisive_steps(seconds, self.buckets.index(0)):
                 self.call_test.kept = 0
         return steps
+
+    def _call_costs(self, costs: np.ndarray) -> np.ndarray:
+        """The costs the static call's test prices a call at: a step at what steps in a row cost where
+        that is measured and below STEADY_STEP_MARGIN of the table's (a call given to steps takes
+        nothing but steps, while a step read between speculative rounds also carries the host's work
+        for them); otherwise the table's."""
+        steady = self.step_costs.estimate(0)
+        j = self.buckets.index(0)
+        if steady <= 0 or steady >= STEADY_STEP_MARGIN * costs[j]:
+            return costs
+        costs = costs.copy()
+        costs[j] = steady
+        return costs
 
     def _call_seconds(self, costs: np.ndarray, left: np.ndarray, ybar: np.ndarray, variance: np.ndarray,
                       pace: np.ndarray, pace_variance: np.ndarray) -> np.ndarray:  # fmt: skip
@@ -799,6 +820,9 @@ class BudgetPolicy:
         choice = self.pending.popleft() if self.pending else None
         if seconds is not None:
             self.costs.observe(bucket, seconds)
+            if bucket == 0 and self.last_read == 0:
+                self.step_costs.observe(0, seconds)
+        self.last_read = bucket
         self.chosen[bucket] = self.chosen.get(bucket, 0) + 1
         if sums is None:
             return
