@@ -603,7 +603,7 @@ class Launch:
 
     programs: int
     host: Schedule | None
-    sched: torch.Tensor  # int32 [4] on the device (when host is None)
+    sched: torch.Tensor  # int32 [5] on the device (when host is None)
     part: torch.Tensor  # [2 * programs, BLOCK_M, d_c] float32
     plse: torch.Tensor  # [2 * programs, BLOCK_M] float32
     merge: bool
