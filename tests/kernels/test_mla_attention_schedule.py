@@ -76,6 +76,7 @@ def emulate(q, kv, lengths, vis, scale, d_c, blocks, s: sched.Schedule, grid: in
         (5, 5, 16, [61, 200, 0, 7, 120], 0, 11),  # aligned, one run per row block: whole blocks
         (5, 17, 8, [61, 200, 0, 7, 120], 0, 8),  # aligned, 3 row blocks (the last of 8 rows)
         (7, 9, 16, [40, 3, 90, 0, 66, 12, 31], 0, 5),  # aligned, 3 row blocks over 5 programs: 2 idle
+        (9, 5, 16, [130, 4, 60, 0, 99, 17, 8, 121, 33], 0, 4),  # aligned, whole row blocks: 2 planes of 2
         (1, 2, 32, [200], 0, 13),  # one row block in 7 runs: the merge reads its pieces in several rounds
         (2, 2, 32, [200, 60], 0, 13),  # the same, the second request's runs past its end empty
     ],
