@@ -688,9 +688,10 @@ class BudgetPolicy:
             j = self.buckets.index(0)
         else:
             expected = per_row.sum(axis=0).tolist()
-            if self._chain is not None:  # the chain at its lower bound (module docstring)
-                j = self._chain
-                expected[j] = float(np.maximum(1.0, per_row[:, j] - self.calibration.bonus()[j]).sum())
+            chain = self._chain
+            if chain is not None:  # the chain at its lower bound (module docstring)
+                lower = per_row[:, chain] - self.calibration.bonus()[chain]
+                expected[chain] = float(np.maximum(1.0, lower).sum())
             _, costs, _ = self.costs.estimates()
             allowed = [j for j in (self._drafting if must_draft else range(len(self.buckets)))
                        if self._candidates[j]]  # fmt: skip

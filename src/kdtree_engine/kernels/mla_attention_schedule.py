@@ -49,14 +49,10 @@ class Schedule(NamedTuple):
         return self.per % self.tiles != 0 and (self.groups if self.groups else self.programs) > 1
 
 
-def _cdiv_int(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _balanced(units: int, tiles: int, programs: int) -> int:
     """PER for `units` over `programs`: at least min(tiles, MIN_TILES), whole row blocks from 4 up."""
-    per = max(_cdiv_int(units, max(programs, 1)), min(tiles, MIN_TILES))
-    return _cdiv_int(per, tiles) * tiles if per >= 4 * tiles else per
+    per = max(triton.cdiv(units, max(programs, 1)), min(tiles, MIN_TILES))
+    return triton.cdiv(per, tiles) * tiles if per >= 4 * tiles else per
 
 
 def schedule(b: int, blocks: int, tiles: int, sms: int, forced: int = 0) -> Schedule:
@@ -64,16 +60,16 @@ def schedule(b: int, blocks: int, tiles: int, sms: int, forced: int = 0) -> Sche
     tiles = max(tiles, 1)
     units = b * blocks * tiles
     if forced:
-        per = _cdiv_int(tiles, forced)
-        return Schedule(tiles, per, units, _cdiv_int(units, per), 0)
+        per = triton.cdiv(tiles, forced)
+        return Schedule(tiles, per, units, triton.cdiv(units, per), 0)
     per = _balanced(units, tiles, sms)
     groups = sms // blocks
     if blocks > 1 and groups >= 1:
         aligned = _balanced(b * tiles, tiles, groups)
         if aligned * ALIGN_SLACK[1] <= per * ALIGN_SLACK[0]:
-            groups = _cdiv_int(b * tiles, aligned)
+            groups = triton.cdiv(b * tiles, aligned)
             return Schedule(tiles, aligned, units, blocks * groups, groups)
-    return Schedule(tiles, per, units, _cdiv_int(units, per), 0)
+    return Schedule(tiles, per, units, triton.cdiv(units, per), 0)
 
 
 def program_units(s: Schedule, b: int, c: int) -> tuple[int, int]:
