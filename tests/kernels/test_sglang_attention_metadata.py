@@ -3,7 +3,9 @@ ref/sglang_attention.verify_metadata, on fresh random inputs: exact equality (ev
 Cases: page sizes 1, 16 and 64; block tables cut at a host bound and as wide as req_to_token; trees of
 1, 2, 33 and 64 nodes (bit 63, the sign bit); a visibility holding fewer requests than the batch (the
 padding of a replayed graph) and wider than [t, t]; no tree (decode, t = 0); an empty batch; outputs
-that are views of wider static buffers. On the CPU through the Triton interpreter, on CUDA compiled."""
+that are views of wider static buffers; tables of several programs' column chunks. A request's table
+columns past its last page are the attention's to ignore: the kernel leaves them unwritten, which the
+test checks against the buffers' fill value. On the CPU through the Triton interpreter, on CUDA compiled."""
 
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ CASES = [  # (bs, t, page, width, nv, cut, wide)
     (1, 2, 64, 129, None, True, False),
     (6, 0, 16, 257, None, True, True),  # decode: no tree
     (3, 17, 1, 3000, 0, True, False),  # no visibility rows at all: every request padded
+    (4, 9, 1, 2500, None, False, True),  # three column chunks, most requests' last ones unread
 ]
 
 
@@ -67,7 +70,10 @@ def test_metadata_kernel_equals_reference(device, case, seed):
     cols = min(pages, -(-bound // page)) if cut else pages
     want = ref.verify_metadata(seq_lens, pool_idx, r2t, vis, t, page, cols)
     got = _run_kernel(device, seq_lens, pool_idx, r2t, vis, t, page, cols, wide)
-    for name, g, w in zip(("seqlens", "block_table", "bits"), got, want):
+    used = torch.arange(cols)[None, :] < -(-(seq_lens[:, None] + t) // page)  # the pages each request reaches
+    assert torch.equal(torch.where(used, got[1], -7), torch.where(used, want[1], -7)), "block_table"
+    assert bool((got[1][~used] == -7).all()), "block_table: columns past a request's pages were written"
+    for name, g, w in zip(("seqlens", "bits"), got[::2], want[::2]):
         if w is None:
             assert g is None, name
             continue

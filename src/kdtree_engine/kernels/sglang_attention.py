@@ -1,7 +1,10 @@
 """The forward metadata of the `kdtree_mla` SGLang attention backend in one launch (its specification:
 ref/sglang_attention.verify_metadata): per request, its length with the new tokens, its block-table row
 read from SGLang's req_to_token, and its tree's ancestor bits, written straight into the caller's
-buffers (the static buffers of a captured forward). One program per request."""
+buffers (the static buffers of a captured forward). Programs (request, chunk of BLOCK_C table columns):
+a request's columns are copied in parallel, and only the pages its length reaches (a captured forward's
+table is as wide as req_to_token, 160k columns at pages of 1 for a 160k context); the chunk-0 program
+also writes the length and the bits."""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 from kdtree_engine.ref.sglang_attention import MAX_BITS
+
+BLOCK_COLS = 1024  # table columns a program copies
 
 
 @triton.jit
@@ -35,14 +40,17 @@ def _metadata_kernel(
     BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0)
-    tl.store(seqlens_ptr + b, (tl.load(seq_lens_ptr + b) + T).to(tl.int32))
-    row = r2t_ptr + tl.load(pool_idx_ptr + b).to(tl.int64) * stride_r2t
-    for c0 in range(0, COLS, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        ok = c < COLS
-        token = tl.load(row + c.to(tl.int64) * PAGE, mask=ok, other=0)
-        tl.store(table_ptr + b.to(tl.int64) * stride_tb + c, (token // PAGE).to(tl.int32), mask=ok)
-    if HAS_TREE:
+    chunk = tl.program_id(1)
+    seqlen = (tl.load(seq_lens_ptr + b) + T).to(tl.int32)
+    used = tl.minimum((seqlen + PAGE - 1) // PAGE, COLS)  # the columns the attention reads
+    c = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+    if chunk * BLOCK_C < used:
+        row = r2t_ptr + tl.load(pool_idx_ptr + b).to(tl.int64) * stride_r2t
+        token = tl.load(row + c.to(tl.int64) * PAGE, mask=c < used, other=0)
+        tl.store(table_ptr + b.to(tl.int64) * stride_tb + c, (token // PAGE).to(tl.int32), mask=c < used)
+    if chunk == 0:
+        tl.store(seqlens_ptr + b, seqlen)
+    if HAS_TREE and chunk == 0:
         i = tl.arange(0, BLOCK_T)[:, None]
         j = tl.arange(0, BLOCK_T)[None, :]
         inside = (i < T) & (j < T)
@@ -69,16 +77,18 @@ def verify_metadata(
 ) -> None:
     """seqlens [bs] int32, table [bs, cols] int32 (unit column stride) and, for a tree of t <= MAX_BITS
     nodes, bits [bs, t] int64 (contiguous) <- ref.sglang_attention.verify_metadata of the same inputs
-    (cols = table.shape[1]); visibility [>= 0, >= t, >= t] bool with unit column stride."""
+    (cols = table.shape[1]); visibility [>= 0, >= t, >= t] bool with unit column stride. A request's
+    table columns past its last page (ceil((seq_len + t) / page)) are not written."""
     bs, cols = table.shape
     if bs == 0:
         return
     tree = visibility is not None and t <= MAX_BITS
     vis = visibility.view(torch.int8) if tree else seqlens
     nv, stride_vb, stride_vi = (vis.shape[0], vis.stride(0), vis.stride(1)) if tree else (0, 0, 0)
-    _metadata_kernel[(bs,)](
+    block_c = min(BLOCK_COLS, triton.next_power_of_2(max(cols, 1)))
+    _metadata_kernel[(bs, triton.cdiv(max(cols, 1), block_c))](
         seq_lens, req_pool_indices, req_to_token, vis, seqlens, table, bits if tree else seqlens, t, nv, cols,
         page, req_to_token.stride(0), table.stride(0), stride_vb, stride_vi,
-        HAS_TREE=tree, BLOCK_C=min(1024, triton.next_power_of_2(max(cols, 1))),
+        HAS_TREE=tree, BLOCK_C=block_c,
         BLOCK_T=triton.next_power_of_2(max(t, 1)), num_warps=4,
     )  # fmt: skip
