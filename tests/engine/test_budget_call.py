@@ -189,3 +189,21 @@ def test_the_calls_test_prices_steps_at_what_steps_in_a_row_cost():
     policy.new_call()  # a new call's first read follows no step
     policy.observe(0, 5.0, range(4), [1] * 4, None)
     assert policy.step_costs.estimate(0) == 1.0
+
+
+def test_a_call_of_steps_after_a_tree_pays_the_tables_price_for_its_first_step():
+    """Steps in a row cost 1.0, a step after a tree round 1.8; trees at 2.0 commit 1.8 tokens a round.
+    With 2 tokens left after a tree, steps take 1.8 + 1.0 against one tree round's 2.0 or so: the tree;
+    after a step, two more steps take 2.0 against the tree's 2.2: the steps."""
+    costs = {0: 1.8, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = _policy_after_a_round(costs, 1, accepted=0.8, rounds=400)
+    policy.observe(0, 1.8, [0], [1], None)
+    for _ in range(MIN_COST_ROUNDS):
+        policy.observe(0, 1.0, [0], [1], None)  # steps in a row
+    assert policy.step_costs.estimate(0) == 1.0 and policy.costs.estimate(0) == pytest.approx(1.8)
+    policy.pick([True], must_draft=True)  # the last pick a tree, read
+    sums, would = np.array([[0.0, 1.0, 2.0] + [np.nan] * 3]), np.array([[1.0, 1.4, 1.8] + [np.nan] * 3])
+    policy.observe(8, None, [0], [1.8], sums, would)
+    assert policy.pick([True], must_draft=False, remaining=[2]) != 0
+    assert policy.pick([True], must_draft=False, remaining=[1]) == 0  # one step beats any tree
+    assert policy.pick([True], must_draft=False, remaining=[2]) == 0  # after a step: no switch to pay

@@ -54,7 +54,8 @@ call (generate(): the engine passes each request's tokens left), first the stati
 bucket used for every round from here, the last request's tail counted. It prices a step at what a
 step read right after a step costs, where that is measured and clearly cheaper (STEADY_STEP_MARGIN)
 than the cost table's step: a step read between speculative rounds also carries the host's work for
-them (reading, committing and learning from a tree round), which a call of steps does not pay.
+them (reading, committing and learning from a tree round), which a call of steps does not pay, but for
+its first step when it starts after a tree (that one is priced at the table's).
 
 Exploring against steps. An autoregressive step teaches nothing about the trees, so a tree bucket whose
 estimate came out low from a few unlucky rounds (a call's first rounds, at the start of its texts)
@@ -778,33 +779,45 @@ class BudgetPolicy:
         pace, pace_variance = self.paces.estimate(rows)
         left = np.maximum(left[rows], 1.0)
         ybar, variance = self.calibration.long_run()
-        costs = self._call_costs(costs)
-        seconds = self._call_seconds(costs, left, ybar, variance, pace, pace_variance)
+        costs, switch = self._call_costs(costs)
+        seconds = self._call_seconds(costs, switch, left, ybar, variance, pace, pace_variance)
         steps = self.call_test.decide(seconds, self.buckets.index(0), most)
         if steps and self.call_test.kept:  # decisive: the call is given to steps only if the trees'
             ybar, variance = self.calibration.optimistic_long_run()  # upper bounds agree (module doc)
-            seconds = self._call_seconds(costs, left, ybar, variance, pace, pace_variance)
+            seconds = self._call_seconds(costs, switch, left, ybar, variance, pace, pace_variance)
             if not self.call_test.decisive_steps(seconds, self.buckets.index(0)):
                 self.call_test.kept = 0
         return steps
 
-    def _call_costs(self, costs: np.ndarray) -> np.ndarray:
-        """The costs the static call's test prices a call at: a step at what steps in a row cost where
-        that is measured and below STEADY_STEP_MARGIN of the table's (a call given to steps takes
-        nothing but steps, while a step read between speculative rounds also carries the host's work
-        for them); otherwise the table's."""
+    def _call_costs(self, costs: np.ndarray) -> tuple[np.ndarray, float]:
+        """(costs, switch): what the static call's test prices a call at. A step costs what steps in a
+        row cost where that is measured and below STEADY_STEP_MARGIN of the table's (a call given to
+        steps takes nothing but steps, while a step read between speculative rounds also carries the
+        host's work for them), and then a call of steps that starts after a tree pays the table's
+        price for its first step: switch, the difference, added once; otherwise the table's, switch 0."""
         steady = self.step_costs.estimate(0)
         j = self.buckets.index(0)
         if steady <= 0 or steady >= STEADY_STEP_MARGIN * costs[j]:
-            return costs
+            return costs, 0.0
+        switch = 0.0 if self.streak > 0 else float(costs[j] - steady)  # streak: the last pick a step
         costs = costs.copy()
         costs[j] = steady
-        return costs
+        return costs, switch
 
-    def _call_seconds(self, costs: np.ndarray, left: np.ndarray, ybar: np.ndarray, variance: np.ndarray,
-                      pace: np.ndarray, pace_variance: np.ndarray) -> np.ndarray:  # fmt: skip
-        """steady_call_seconds, inf for a bucket the choice may not take (the chain, ruled out)."""
-        seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_variance)
+    def _call_seconds(
+        self,
+        costs: np.ndarray,
+        switch: float,
+        left: np.ndarray,
+        ybar: np.ndarray,
+        variance: np.ndarray,
+        pace: np.ndarray,
+        pace_var: np.ndarray,
+    ) -> np.ndarray:
+        """steady_call_seconds with `switch` added to the steps' (see _call_costs), inf for a bucket
+        the choice may not take (the chain, ruled out)."""
+        seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_var)
+        seconds[self.buckets.index(0)] += switch
         return np.where(self._candidates, seconds, np.inf)
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
