@@ -1,0 +1,94 @@
+"""The verify-attention points where the kdtree_mla backend misses issue 31's bar (5x SGLang's Triton extend
+kernel everywhere, 10x from 4k prefixes), taken apart on the same inputs as `bench sglang`'s section:
+
+- port_step: the port's compile with its dense mask, its metadata and the Triton extend kernel;
+- step: the worker's compile without the mask, our metadata launch and one layer (plan + run);
+- meta: our metadata launch alone (kernels/sglang_attention.py);
+- run_hopper / run_triton: one later layer with each of our kernels (the plan made);
+- kernel_hopper: the Hopper kernel alone (run_hopper without the merge of cut row blocks), and the
+  host schedule it ran (tiles, per, units, cuts, groups).
+
+Timing: bench.timing.time_graph (CUDA-graph replays, L2 flushed, median). One json line per point, and
+probe_misses.json in OUT_DIR.
+
+    python scripts/probe_verify_misses.py OUT_DIR [--port .peers/sglang]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+
+from kdtree_engine.bench.peers import load_sglang_port
+from kdtree_engine.bench.sglang_extend import load_extend_attention
+from kdtree_engine.bench.sglang_verify import D_V, SCALE, OursVerify, PortVerify, make_point
+from kdtree_engine.bench.timing import time_graph
+
+POINTS = [  # (h, t, prefix, b): the misses of the 2026-12-06 02:27 UTC run, then two that pass
+    (8, 9, 1024, 16), (8, 17, 1024, 16), (8, 9, 4096, 16), (8, 17, 4096, 16), (8, 17, 8192, 16),
+    (8, 33, 4096, 16), (64, 33, 1024, 1), (64, 33, 4096, 1), (8, 9, 1024, 64), (64, 9, 4096, 16),
+]  # fmt: skip
+
+
+def measure(extend, compile_fn, h: int, t: int, prefix: int, b: int) -> dict:
+    pool, q, vis = make_point(h, t, prefix, b, torch.device("cuda"))
+    port = PortVerify.make(extend, compile_fn, pool, q, vis, SCALE, D_V)
+    row = dict(h=h, t=t, prefix=prefix, batch=b)
+    want = port.step().float().reshape(b * t, -1)
+
+    def timed(f) -> float:
+        return round(time_graph(f, rep_ms=40, warmup=2).median_us, 1)
+
+    row["port_step_us"] = timed(port.step)
+    for impl in ("hopper", "triton"):
+        ours = OursVerify.make(pool, q, vis, SCALE, D_V, impl=impl)
+        row[f"diff_{impl}"] = float((want - ours.step().float()).abs().max())
+        if impl == "hopper":
+
+            def step(ours=ours) -> torch.Tensor:
+                port.compile(with_mask=False)
+                return ours.step()
+
+            row["step_us"] = timed(step)
+            row["meta_us"] = timed(lambda ours=ours: ours.backend.init_forward_metadata(ours.forward_batch))
+            ours.step()
+            row.update(kernel_alone(ours))
+        row[f"run_{impl}_us"] = timed(ours.run)
+    row["step_x"] = round(row["port_step_us"] / row["step_us"], 2)
+    return row
+
+
+def kernel_alone(ours: OursVerify) -> dict:
+    """The Hopper kernel of ours' plan without its merge: time and schedule."""
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+    plan = ours.backend.forward_metadata.plan
+    p, launch = plan.problem, plan.launch
+    q = ours.q.view(plan.q_shape).contiguous()
+    kv = ours.backend._layer_cache(ours.layer, q.shape[-1])
+    out = torch.empty(p.b, p.t, p.h, p.d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(p.b, p.t, p.h, dtype=torch.float32, device=q.device)
+    us = time_graph(lambda: hopper._launch_kernel(launch, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
+    return {"kernel_hopper_us": round(us, 1), "schedule": list(launch.host or ()), "merge": launch.merge}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--port", default=".peers/sglang")
+    args = parser.parse_args()
+    extend = load_extend_attention(args.port)
+    compile_fn = load_sglang_port(args.port).kernels.compile_ddtree_tree_triton
+    rows = []
+    for point in POINTS:
+        rows.append(measure(extend, compile_fn, *point))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "probe_misses.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
