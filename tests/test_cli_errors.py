@@ -347,9 +347,15 @@ def test_ctrl_c_swallowed_by_an_import_still_stops(capsys, monkeypatch):
         return real()
 
     monkeypatch.setattr(cli, "build_parser", swallowing_import)
-    rc, out, err = _run(capsys, "generate", "--demo", "random", "--max-new-tokens", "2")
+    # as in a terminal: a background job of a non-interactive shell starts with SIGINT ignored, and the
+    # command then leaves it so (the Ctrl-C handler is installed only over Python's default one)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc, out, err = _run(capsys, "generate", "--demo", "random", "--max-new-tokens", "2")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert (rc, out) == (130, "") and _one_line(err) == "kdtree-engine generate: interrupted\n"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 def _subprocess(argv: list[str], **popen):
