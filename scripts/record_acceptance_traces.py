@@ -1,12 +1,15 @@
 """Records kimi-nano's acceptance at every auto-budget bucket, round by round, for the policy simulator
-(kdtree_engine.bench.auto_sim, trace settings): the shipped pair on the CPU (float32) decodes held-out
-prompts with every round at the largest bucket, and per request and round the script keeps the
-committed tokens a tree of each bucket would have given (the first k nodes of a best-first tree are
-the tree of bucket k, and the accepted path's node indices grow along it, so its nodes up to k are what
-that tree accepts; the target's token at each node is the same) and the draft's sums S at each bucket;
-greedy, also what DFlash's chain would have committed (from the chain's nodes in the same tree).
+(kdtree_engine.bench.auto_sim, trace settings): the shipped pair (on the CPU in float32 by default; on a
+GPU in bf16 with `--device cuda --dtype bfloat16`, rounds run eagerly, the acceptance `bench e2e`
+measures there) decodes held-out prompts with every round at the largest bucket, and per request and
+round the script keeps the committed tokens a tree of each bucket would have given (the first k nodes of
+a best-first tree are the tree of bucket k, and the accepted path's node indices grow along it, so its
+nodes up to k are what that tree accepts; the target's token at each node is the same) and the draft's
+sums S at each bucket; greedy, also what DFlash's chain would have committed (from the chain's nodes in
+the same tree).
 
     python scripts/record_acceptance_traces.py [--prompts 16] [--new-tokens 128] [--out out/traces.json]
+        [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -63,15 +66,15 @@ def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) 
         sums = last["report"][:, columns].tolist()
         chain = self.chain is not None and config.sampling.greedy
         if chain:
-            tree, top1 = self.trees[n], self.topk[n][1][..., 0].numpy()
+            tree, top1 = self.trees[n], self.topk[n][1][..., 0].cpu().numpy()
             chain_sums = last["report"][:, self.buckets.index(self.chain)].tolist()
         for b, on in enumerate(active):
             if on:
-                counts = counts_at_buckets(last["accept"].accepted[b].numpy())
+                counts = counts_at_buckets(last["accept"].accepted[b].cpu().numpy())
                 traces[b].append({"counts": counts, "sums": sums[b]})
                 if chain:  # what the chain would have committed, from the same round's nodes
-                    count, censored = chain_count(tree.parents[b].numpy(), tree.tokens[b].numpy(),
-                                                  last["targets"][b].numpy(), top1[b])  # fmt: skip
+                    count, censored = chain_count(tree.parents[b].cpu().numpy(), tree.tokens[b].cpu().numpy(),
+                                                  last["targets"][b].cpu().numpy(), top1[b])  # fmt: skip
                     traces[b][-1]["chain"] = {"count": count, "censored": censored, "sum": chain_sums[b]}
 
     BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = largest, recorded, kept
@@ -90,13 +93,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--out", type=Path, default=Path("out/traces.json"))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    target = load_model(KIMI_NANO, dtype=torch.float32, device=torch.device("cpu"))
+    target = load_model(KIMI_NANO, dtype=getattr(torch, args.dtype), device=torch.device(args.device))
     drafter, _ = nano_drafter(drafter_path(None), target, load_tokenizer(KIMI_NANO).token_id("<|mask|>"))
     prompts = nano_prompts(args.prompts)
     out = {"buckets": list(AUTO_BUCKETS), "new_tokens": args.new_tokens, "temperatures": {}}
     for temperature in args.temperatures:
-        config = GenerationConfig(budget="auto", max_new_tokens=args.new_tokens, seed=0,
+        config = GenerationConfig(budget="auto", max_new_tokens=args.new_tokens, seed=0, cuda_graphs=False,
                                   sampling=SamplingParams(temperature=temperature))  # fmt: skip
         traces = record(target, drafter, prompts, config)
         out["temperatures"][f"{temperature:g}"] = traces
