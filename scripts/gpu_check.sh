@@ -21,6 +21,7 @@
 # "engine" runs the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
+# "traces" records kimi-nano's bf16 acceptance on the GPU for the policy simulator, then the nano grid (issue 28).
 # "auto" runs the auto budget's grid on kimi-nano (issue 28) and the host's steps per round with the timed call's timeline; "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
@@ -182,6 +183,18 @@ if [ "$what" = engine ]; then
   timeout "${T_AUTO:-420}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
     --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" | tail -40 \
     || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = traces ]; then
+  # issue 28: kimi-nano's acceptance on this GPU in bf16 for the policy simulator (rounds eager; the CPU's
+  # float32 traces do not show the GPU's greedy losses), then the grid whose costs the simulator replays
+  timeout "${T_TRACE:-200}" python3 scripts/record_acceptance_traces.py --device cuda --dtype bfloat16 --prompts 32 \
+    --out "$R/traces_gpu.json" 2>&1 | tee "$R/traces_gpu.log" || status=1
+  # shellcheck disable=SC2086
+  timeout "${T_AUTO:-360}" python3 -m kdtree_engine bench e2e --target nano --batch ${AUTO_BATCH:-1 4 16 64} \
+    --temperatures 0 1 --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" \
+    | tail -40 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
