@@ -77,13 +77,16 @@ def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) 
                                                   last["targets"][b].cpu().numpy(), top1[b])  # fmt: skip
                     traces[b][-1]["chain"] = {"count": count, "censored": censored, "sum": chain_sums[b]}
 
+    pipelined = loop._pipelined
     BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = largest, recorded, kept
-    loop.round_report = reported
+    # rounds one at a time on a GPU too: a round enqueued ahead of the last read would be recorded past
+    # its requests' ends
+    loop.round_report, loop._pipelined = reported, lambda run, device: False
     try:
         generate(target, drafter, prompts, config)
     finally:
         BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = pick, accept, choose
-        loop.round_report = report
+        loop.round_report, loop._pipelined = report, pipelined
     return traces
 
 
