@@ -25,7 +25,7 @@ from kdtree_engine.bench.sglang_extend import load_extend_attention
 from kdtree_engine.bench.sglang_verify import D_V, SCALE, OursVerify, PortVerify, make_point
 from kdtree_engine.bench.timing import time_graph
 
-POINTS = [  # (h, t, prefix, b): the misses of the 2026-12-06 02:27 UTC run, then two that pass
+POINTS = [  # (h, t, prefix, b): the section's misses (docs/sglang.md), then two points that pass
     (8, 9, 1024, 16), (8, 17, 1024, 16), (8, 9, 4096, 16), (8, 17, 4096, 16), (8, 17, 8192, 16),
     (8, 33, 4096, 16), (64, 33, 1024, 1), (64, 33, 4096, 1), (8, 9, 1024, 64), (64, 9, 4096, 16),
 ]  # fmt: skip
