@@ -146,6 +146,20 @@ def test_the_benchs_requests_cycle_the_first_traces_from_their_start_in_every_ca
     assert bench.greedy and not sampled.greedy
     assert auto_sim.copies(bench) == [0, 1, 0, 1] and auto_sim.copies(sampled) is None
     assert auto_sim.copies(plain) is None
+    assert auto_sim.bench_groups(bench) == 1 and auto_sim.bench_groups(plain) == 1
+    # batch 1 on 3 prompts: the bench's 3 calls, each on its own prompt from its first token
+    alone = auto_sim.Scenario("b1", 1, COSTS, traces=bench.traces, bench_prompts=3, greedy=True)
+    assert auto_sim.bench_groups(alone) == 3
+    assert [auto_sim._new_requests(alone, np.random.default_rng(0), g).trace.tolist() for g in range(3)] == [
+        [0],
+        [1],
+        [2],
+    ]
+    assert auto_sim.copies(alone, 2) == [0]
+    # batch 2 on 3 prompts: calls (0, 1) and (2, 0)
+    pairs = auto_sim.Scenario("b2", 2, COSTS, traces=bench.traces, bench_prompts=3, greedy=True)
+    assert auto_sim.bench_groups(pairs) == 2
+    assert auto_sim._new_requests(pairs, np.random.default_rng(0), 1).trace.tolist() == [2, 0]
 
 
 def test_traces_with_the_chain_replay_its_rounds_and_tell_its_sums(tmp_path):
@@ -215,9 +229,9 @@ def _bench_row(method, budget, batch, temperature=0.0, measured=None, report=Non
     return row
 
 
-def test_costs_from_a_bench_run_prefer_the_policys_own_then_the_fixed_rows(tmp_path):
-    """auto's median per bucket first (the chain's included), then each fixed row's measured rounds
-    (bucket 0: plain decoding; the chain: DFlash's), a tree bucket without either the nearest smaller
+def test_costs_from_a_bench_run_prefer_the_fixed_rows_then_the_policys_own(tmp_path):
+    """Each fixed row's measured rounds first (bucket 0: plain decoding; the chain: DFlash's), then
+    auto's median per bucket (the chain's included), a tree bucket without either the nearest smaller
     tree's (4 the nearest larger); other temperatures ignored; a bucket no row tells is a ValueError
     naming the file."""
     nan = float("nan")
@@ -234,7 +248,7 @@ def test_costs_from_a_bench_run_prefer_the_policys_own_then_the_fixed_rows(tmp_p
     path.write_text(json.dumps({"header": "", "rows": rows}))
     costs = auto_sim.costs_from_bench(path)
     assert list(costs) == [1, 4] and list(costs[1]) == sorted((*AUTO_BUCKETS, 15))
-    assert costs[1] == pytest.approx({0: 0.6, 4: 1.125, 8: 1.125, 15: 0.9, 16: 1.2, 32: 1.5, 64: 2.0})
+    assert costs[1] == pytest.approx({0: 0.5, 4: 1.125, 8: 1.125, 15: 0.9, 16: 1.25, 32: 1.5, 64: 2.0})
     assert costs[4] == pytest.approx({0: 0.6, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.5, 64: 2.0})
     path.write_text(json.dumps({"header": "", "rows": rows[-1:]}))  # no step measured at batch 4
     with pytest.raises(ValueError, match="e2e_nano.json: no cost for buckets \\[0\\]"):

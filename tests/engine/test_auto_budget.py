@@ -265,9 +265,9 @@ def test_the_policy_is_told_which_greedy_requests_are_copies(monkeypatch, temper
     told = []
     real = BudgetPolicy.new_call
 
-    def recording(self, copies=None):
+    def recording(self, copies=None, stage_timed=False):
         told.append(copies)
-        real(self, copies)
+        real(self, copies, stage_timed)
 
     monkeypatch.setattr(BudgetPolicy, "new_call", recording)
     target, drafter = tiny_target(1), tiny_drafter(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -375,7 +376,11 @@ def test_auto_row_reports_its_choices():
     costs = auto["round_costs"]  # on the CPU a round's own stages are timed (not: a bucket's first, eager)
     assert costs["rounds"] == sum(auto["budgets"].values()) and 0 < costs["measured"] <= costs["rounds"]
     assert 0 < costs["seconds"] < auto["call_s"]
+    log = [entry for call in auto["round_log"] for entry in call]  # each round: [bucket, ms or None]
+    assert Counter(k for k, _ in log) == Counter({int(k): v for k, v in auto["budgets"].items()})
+    assert sum(ms for _, ms in log if ms is not None) == pytest.approx(costs["seconds"] * 1e3, abs=1e-3)
     for r in rows[:-1]:  # every budget's rounds are measured alike, autoregressive decoding's too
+        assert r["round_log"] is None
         c = r["round_costs"]
         assert 0 < c["measured"] <= c["rounds"] and 0 < c["seconds"] < r["call_s"]
     assert "| rounds | measured | measured ms | call ms | measured / call | rest ms |" in md

@@ -129,6 +129,25 @@ def test_costs_are_medians_and_unmeasured_buckets_get_tried():
     assert costs.measured(16) == 10.0 + 40 - COST_WINDOW / 2 - 0.5
 
 
+def test_stage_timed_calls_price_their_rounds_apart():
+    """A call that times its stages (slower rounds) prices them in cost tables of its own: an untimed
+    call after it starts unmeasured (each bucket tried again) and does not inherit its prices, and a
+    later stage-timed call finds its own again."""
+    policy = BudgetPolicy(AUTO_BUCKETS, depth=48)
+    policy.new_call(stage_timed=True)
+    for _ in range(MIN_COST_ROUNDS):
+        policy.observe(16, 3.0, [0], [1], None)
+    assert policy.costs.estimate(16) == 3.0
+    policy.new_call(stage_timed=False)
+    assert policy.costs.estimate(16) == 0.0 and policy.costs.measured(16) is None
+    for _ in range(MIN_COST_ROUNDS):
+        policy.observe(16, 1.0, [0], [1], None)
+    policy.new_call(stage_timed=True)
+    assert policy.costs.estimate(16) == 3.0
+    policy.new_call()
+    assert policy.costs.estimate(16) == 1.0
+
+
 def test_choice_maximizes_tokens_per_second():
     buckets = (0, 8, 32)
     cal = Calibration(buckets)

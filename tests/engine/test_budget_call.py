@@ -125,6 +125,28 @@ def test_a_decisive_answer_for_steps_gives_the_call_to_steps():
     assert not policy.stepping
 
 
+def test_a_call_given_to_steps_picks_without_weighing(monkeypatch):
+    """Once a call is given to steps, its picks do none of the choice's per-round work (no estimate,
+    no cost, no call test: host time a call of plain steps does not pay), and its steps are read and
+    priced as before."""
+    costs = {0: 1.0, 4: 3.0, 8: 3.2, 16: 3.5, 32: 4.0, 64: 5.0}
+    policy = _policy_after_a_round(costs, 4, accepted=0.2)
+    active, left = [True, True, False, True], [120] * 4
+    assert policy.pick(active, must_draft=True, remaining=left) == 0 and policy.stepping
+
+    def weighed(*args, **kwargs):
+        raise AssertionError("a call given to steps weighed its round")
+
+    for name in ("expected", "long_run", "long_run_values"):
+        monkeypatch.setattr(policy.calibration, name, weighed)
+    monkeypatch.setattr(policy.costs, "estimates", weighed)
+    assert [policy.pick(active, must_draft=False, remaining=left) for _ in range(3)] == [0, 0, 0]
+    assert policy.streak == 4 and len(policy.pending) == 4
+    for _ in range(4):
+        policy.observe(0, 0.5, [0, 1, 3], [1, 1, 0, 1], None)
+    assert not policy.pending and policy.chosen[0] == 4 and policy.report()[0]["rounds"] == 4
+
+
 def test_a_tree_known_from_few_rounds_is_explored_before_steps_take_over():
     """Steps beat bucket 8 at its estimate from two rounds of one request, not at its upper bound (the
     estimate plus EXPLORE_SDS standard errors): the rule drafts where it would have stepped, and a

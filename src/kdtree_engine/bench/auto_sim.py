@@ -146,26 +146,36 @@ class _Requests:
         self.committed = np.zeros(self.skill.shape[0], dtype=np.int64)
 
 
-def copies(sc: Scenario) -> list[int] | None:
+def copies(sc: Scenario, group: int = 0) -> list[int] | None:
     """What generate() tells the policy of a call's requests (BudgetPolicy.new_call): under greedy
     decoding, per request the first of its copies, the bench's requests cycling their prompts over the
     batch; None otherwise (random text positions: no two requests alike)."""
     if not (sc.greedy and sc.traces and sc.bench_prompts):
         return None
-    return _bench_traces(sc).tolist()
+    traces = _bench_traces(sc, group)
+    return [int(np.flatnonzero(traces == t)[0]) for t in traces]
 
 
-def _bench_traces(sc: Scenario) -> np.ndarray:
-    """The trace of each request as `bench e2e --prompts sc.bench_prompts` makes them: the first ones
-    cycled over the batch (the first row of a trace's requests is its index)."""
-    return np.arange(sc.batch) % min(sc.bench_prompts, len(sc.traces))
+def bench_groups(sc: Scenario) -> int:
+    """How many calls of sc.batch requests `bench e2e --prompts sc.bench_prompts` makes (each on a
+    Runner of its own): the prompts b at a time, cycling to fill the last call; 1 without bench prompts."""
+    if not (sc.traces and sc.bench_prompts):
+        return 1
+    return -(-min(sc.bench_prompts, len(sc.traces)) // sc.batch)
 
 
-def _new_requests(sc: Scenario, rng: np.random.Generator) -> _Requests:
+def _bench_traces(sc: Scenario, group: int = 0) -> np.ndarray:
+    """The trace of each request of the bench's call `group` (bench e2e --prompts sc.bench_prompts):
+    the prompts b at a time, cycling over them (the first row of a trace's requests is its index
+    modulo the prompts)."""
+    return (np.arange(sc.batch) + group * sc.batch) % min(sc.bench_prompts, len(sc.traces))
+
+
+def _new_requests(sc: Scenario, rng: np.random.Generator, group: int = 0) -> _Requests:
     skill = rng.normal(sc.skill_mean, sc.skill_spread, sc.batch)
     reqs = _Requests(skill, rng.normal(0.0, sc.round_noise, sc.batch))
     if sc.traces and sc.bench_prompts:
-        reqs.trace = _bench_traces(sc)
+        reqs.trace = _bench_traces(sc, group)
         reqs.offset = np.zeros(sc.batch, dtype=np.int64)
     elif sc.traces:
         reqs.trace = rng.integers(0, len(sc.traces), sc.batch)
@@ -241,14 +251,15 @@ def _cost(sc: Scenario, n: int, rng: np.random.Generator) -> float:
 
 
 def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy | None = None,
-             static: bool = True) -> dict:  # fmt: skip
+             static: bool = True, group: int = 0) -> dict:  # fmt: skip
     """One static call: every request decodes sc.tokens tokens (the prefill's first one included).
     bucket: a fixed bucket (0: plain autoregressive decoding), or None for the policy's choice. Returns
     the call's seconds, rounds and the buckets picked. Rounds are pipelined as on CUDA: the pick of
     round k + 1 is made before round k is read. static: the policy is told each request's tokens left
-    (as generate() tells it); False: not (its rule for a batch whose finished rows are refilled)."""
+    (as generate() tells it); False: not (its rule for a batch whose finished rows are refilled).
+    group: which of the bench's calls (bench_groups) replays, with bench prompts."""
     rng = np.random.default_rng(seed)
-    reqs = _new_requests(sc, rng)
+    reqs = _new_requests(sc, rng, group)
     reqs.committed[:] = 1  # the prefill's token
     seconds, picks = 0.0, []
     flight: deque = deque()
@@ -339,10 +350,11 @@ def trace_scenarios(
 
 def costs_from_bench(path, temperature: float = 0.0) -> dict[int, dict[int, float]]:
     """The round costs a GPU run measured (ms per bucket of AUTO_BUCKETS, and of DFlash's chain where
-    measured), per batch, from a `bench e2e --target nano --auto` result (e2e_nano.json): each bucket's
-    median cost as the auto row's policy held it (its autoregressive step feeds the drafter, as the
-    simulated one does), else the fixed budget's row (its measured rounds' mean; bucket 0: plain
-    decoding's; the chain: DFlash's), else the nearest smaller tree bucket's. ValueError naming `path`
+    measured), per batch, from a `bench e2e --target nano --auto` result (e2e_nano.json): a tree
+    bucket's (and the chain's) from its fixed budget's row (the mean of its measured rounds: every
+    round of it, where the auto row's policy holds the median of the last rounds it picked, which for a
+    bucket seldom picked can be old; the step: plain decoding's), else the auto row's, else the
+    nearest smaller tree bucket's. ValueError naming `path`
     where a batch has none of these for a tree bucket or the step."""
     rows = json.loads(Path(path).read_text())["rows"]
     out: dict[int, dict[int, float]] = {}
@@ -353,12 +365,12 @@ def costs_from_bench(path, temperature: float = 0.0) -> dict[int, dict[int, floa
         budget = 0 if r["method"] == "autoregressive" else r["budget"]
         if budget == "auto":
             for k, b in (r.get("budget_report") or {}).items():
-                if b["seconds"] == b["seconds"]:
-                    costs[int(k)] = b["seconds"] * 1e3  # the policy's own figures take precedence
+                if b["seconds"] == b["seconds"] and int(k) not in costs:
+                    costs[int(k)] = b["seconds"] * 1e3
         elif isinstance(budget, int) and r.get("round_costs"):  # a fixed budget, AR (0) or DFlash (L)
             measured = r["round_costs"]
             if measured["measured"]:
-                costs.setdefault(budget, measured["seconds"] / measured["measured"] * 1e3)
+                costs[budget] = measured["seconds"] / measured["measured"] * 1e3
     for batch, costs in out.items():
         for k in AUTO_BUCKETS:
             smaller = [j for j in AUTO_BUCKETS if 0 < j < k and j in costs]
@@ -375,18 +387,20 @@ def costs_from_bench(path, temperature: float = 0.0) -> dict[int, dict[int, floa
 def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -> dict:
     """Tokens per second of autoregressive decoding, every fixed bucket and auto on the same requests:
     per setting, `seeds` groups of `calls` calls on one policy (as a Runner keeps its costs and
-    calibration), the last call of each group timed."""
+    calibration), the last call of each group timed; with bench prompts, group s replays the bench's
+    call s modulo bench_groups (each of its Runners learns on its own prompts)."""
     total = sc.batch * sc.tokens
+    groups = bench_groups(sc)
     rates: dict[str, float] = {}
     for k in sc.buckets:
-        t = sum(run_call(sc, 1000 * s + calls - 1, k)["seconds"] for s in range(seeds))
+        t = sum(run_call(sc, 1000 * s + calls - 1, k, group=s % groups)["seconds"] for s in range(seeds))
         rates["autoregressive" if k == 0 else f"bucket {k}"] = seeds * total / t
     t, picks = 0.0, []
     for s in range(seeds):
         policy = BudgetPolicy(sc.buckets, STEP_ROUNDS * BLOCK)
         for c in range(calls):
-            policy.new_call(copies(sc))
-            out = run_call(sc, 1000 * s + c, None, policy, static)
+            policy.new_call(copies(sc, s % groups))
+            out = run_call(sc, 1000 * s + c, None, policy, static, group=s % groups)
         t += out["seconds"]
         picks += out["picks"]
     rates["auto"] = seeds * total / t

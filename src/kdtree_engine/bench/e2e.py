@@ -146,7 +146,17 @@ def summarize(outputs) -> dict:
         "budget_report": _merged_report([s.budget_report for s in stats if s.budget_report]),
         "call_s": wall,
         "round_costs": _cost_accounting([t for s in stats for t in s.round_seconds]),
+        "round_log": _round_log(stats),
     }
+
+
+def _round_log(stats) -> list[list] | None:
+    """Budget "auto": each timed call's rounds in order, [bucket, measured ms or None] (the policy's
+    choices against what each cost); None for a fixed budget."""
+    if not any(s.budgets for s in stats):
+        return None
+    return [[[k, None if t != t else round(t * 1e3, 4)] for k, t in zip(s.budgets, s.round_seconds)]
+            for s in stats]  # fmt: skip
 
 
 def _cost_accounting(seconds: list[float]) -> dict | None:

@@ -601,8 +601,10 @@ class BudgetPolicy:
     buckets: tuple[int, ...]
     depth: int
     calibration: Calibration = field(init=False)
-    costs: CostTable = field(init=False)
+    costs: CostTable = field(init=False)  # this call's timing mode's (new_call)
     step_costs: CostTable = field(init=False)  # steps read right after a step: what a call of steps pays
+    # per timing mode (stage timers on, off): (costs, step_costs); a stage-timed round costs more
+    _cost_tables: dict[bool, tuple[CostTable, CostTable]] = field(init=False, default_factory=dict)
     paces: Paces = field(init=False)  # each request's pace, the spread between requests (static calls)
     call_test: CallTest = field(init=False)  # the static call's test and its kept answer
     sums: np.ndarray = field(init=False)  # [rows, buckets]: each request row's last S read, NaN: none
@@ -620,8 +622,6 @@ class BudgetPolicy:
 
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
-        self.costs = CostTable(self.buckets)
-        self.step_costs = CostTable((0,))
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
         chain = chain_bucket(self.buckets)
@@ -632,10 +632,17 @@ class BudgetPolicy:
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
         self.new_call()
 
-    def new_call(self, copies: Sequence[int] | None = None) -> None:
+    def new_call(self, copies: Sequence[int] | None = None, stage_timed: bool = False) -> None:
         """A Runner's next call: its requests, the rounds left unread and its report start afresh; the
         costs and the calibration carry over. copies: per request row, the first row of its greedy
-        copies (same prompt, same limit: the same tokens every round), or None (module docstring)."""
+        copies (same prompt, same limit: the same tokens every round), or None (module docstring).
+        stage_timed: the call times its stages (engine.stats.StageTimer), which reads two events per
+        stage back each round and so slows every round: such a call's rounds are priced in cost tables
+        of their own, kept apart from untimed calls' (a bucket seldom picked in untimed calls would
+        otherwise keep a stage-timed round's price)."""
+        if stage_timed not in self._cost_tables:
+            self._cost_tables[stage_timed] = (CostTable(self.buckets), CostTable((0,)))
+        self.costs, self.step_costs = self._cost_tables[stage_timed]
         self.copies = None if copies is None else np.asarray(copies, dtype=np.int64)
         self.sums = np.zeros((0, len(self.buckets)))
         self.age = np.zeros(0)
@@ -679,13 +686,15 @@ class BudgetPolicy:
         (`stepping`): every later round of it is a step, the drafter never runs again in it (a draft
         the drafter must make, such as a call's first, is skipped), so its steps need not feed the
         drafter's context and cost what plain autoregressive decoding's do."""
+        if self.stepping:  # a call given to steps: nothing to weigh until it ends
+            return self._step_of_stepping_call(active)
         must_draft = must_draft or self.streak >= self.depth
         self._candidates = self._candidate_mask()
         self._rows(len(active))
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
-        if self.stepping or (remaining is not None and self._steps_end_soonest(rows, remaining, must_draft)):
+        if remaining is not None and self._steps_end_soonest(rows, remaining, must_draft):
             j = self.buckets.index(0)
         else:
             expected = per_row.sum(axis=0).tolist()
@@ -705,6 +714,14 @@ class BudgetPolicy:
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
+
+    def _step_of_stepping_call(self, active: Sequence[bool]) -> int:
+        """pick() in a call given to steps: a step, with none of the choice's per-round work (the
+        host's time per round is what a call of steps pays beside the device's steps)."""
+        rows = np.flatnonzero(np.asarray(active, dtype=bool))
+        self.pending.append(_Choice(rows, np.zeros((rows.size, 0)), np.ones(rows.size)))
+        self.streak += 1
+        return 0
 
     def _explore(self, costs: Sequence[float], step: int) -> int:
         """The rule picked a step (index `step`). Where steps are also the steady choice (the bucket of

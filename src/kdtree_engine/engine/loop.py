@@ -610,7 +610,7 @@ class _Rounds:
         auto = run.config.auto_budget
         self.policy = BudgetPolicy(self.stages.buckets, depth) if auto else None
         if self.policy is not None:
-            self.policy.new_call(run.copies)
+            self.policy.new_call(run.copies, run.timer.enabled)
 
     @property
     def in_flight(self) -> int:
@@ -624,7 +624,7 @@ class _Rounds:
         self.last_read, self.steps = None, 0
         self.stages.reuse(run)
         if self.policy is not None:
-            self.policy.new_call(run.copies)
+            self.policy.new_call(run.copies, run.timer.enabled)
 
     def pick(self) -> int:
         """The next round's bucket (the one bucket of a fixed budget)."""
