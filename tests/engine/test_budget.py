@@ -130,22 +130,27 @@ def test_costs_are_medians_and_unmeasured_buckets_get_tried():
 
 
 def test_stage_timed_calls_price_their_rounds_apart():
-    """A call that times its stages (slower rounds) prices them in cost tables of its own: an untimed
-    call after it starts unmeasured (each bucket tried again) and does not inherit its prices, and a
-    later stage-timed call finds its own again."""
+    """A call that times its stages (slower rounds) prices them in cost tables of its own. An untimed
+    call after it prices a bucket it has not measured at the stage-timed price, shifted by the median
+    difference over the buckets both have measured (none yet: unshifted), and its own measurements
+    replace it; a later stage-timed call finds its own prices again."""
     policy = BudgetPolicy(AUTO_BUCKETS, depth=48)
     policy.new_call(stage_timed=True)
-    for _ in range(MIN_COST_ROUNDS):
-        policy.observe(16, 3.0, [0], [1], None)
-    assert policy.costs.estimate(16) == 3.0
+    for k, t in ((0, 2.5), (16, 3.0), (32, 4.0)):
+        for _ in range(MIN_COST_ROUNDS):
+            policy.observe(k, t, [0], [1], None)
     policy.new_call(stage_timed=False)
-    assert policy.costs.estimate(16) == 0.0 and policy.costs.measured(16) is None
-    for _ in range(MIN_COST_ROUNDS):
-        policy.observe(16, 1.0, [0], [1], None)
+    assert policy.costs.measured(16) is None
+    assert [policy.costs.estimate(k) for k in (0, 8, 16, 32)] == [2.5, 0.0, 3.0, 4.0]
+    for k, t in ((0, 0.5), (16, 1.5)):
+        for _ in range(MIN_COST_ROUNDS):
+            policy.observe(k, t, [0], [1], None)
+    # shifts -2.0 (the step) and -1.5 (bucket 16): median -1.75; bucket 8 still untried
+    assert [policy.costs.estimate(k) for k in (0, 8, 16, 32)] == [0.5, 0.0, 1.5, 2.25]
     policy.new_call(stage_timed=True)
-    assert policy.costs.estimate(16) == 3.0
+    assert [policy.costs.estimate(k) for k in (0, 16, 32)] == [2.5, 3.0, 4.0]
     policy.new_call()
-    assert policy.costs.estimate(16) == 1.0
+    assert policy.costs.estimate(16) == 1.5
 
 
 def test_choice_maximizes_tokens_per_second():

@@ -522,10 +522,13 @@ class Calibration:
 
 @dataclass
 class CostTable:
-    """Measured seconds per round of each bucket at one batch size: the median of the last COST_WINDOW."""
+    """Measured seconds per round of each bucket at one batch size: the median of the last COST_WINDOW.
+    `fallback`: the table of the other timing mode (BudgetPolicy.new_call), which prices a bucket this
+    one has not measured yet."""
 
     buckets: tuple[int, ...]
     times: dict[int, deque] = field(default_factory=dict)
+    fallback: CostTable | None = None
     _estimates: dict[int, float] = field(default_factory=dict)  # estimate() per bucket, until observed
     _all: tuple[np.ndarray, list[float], bool] | None = None  # estimates(), until the next observation
 
@@ -534,21 +537,41 @@ class CostTable:
         if times is None:
             times = self.times[bucket] = deque(maxlen=COST_WINDOW)
         times.append(float(seconds))
-        self._estimates.pop(bucket, None)
+        self.forget_estimates()
+
+    def forget_estimates(self) -> None:
+        """Drops the cached estimates (after an observation, here or in the fallback)."""
+        self._estimates.clear()
         self._all = None
 
     def measured(self, bucket: int) -> float | None:
         t = self.times.get(bucket)
         return statistics.median(t) if t else None
 
+    def own(self, bucket: int) -> float:
+        """The bucket's median, or 0 for one measured fewer than MIN_COST_ROUNDS times."""
+        t = self.times.get(bucket)
+        return statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
+
     def estimate(self, bucket: int) -> float:
-        """The bucket's median, or 0 for one measured fewer than MIN_COST_ROUNDS times (so that every
-        bucket gets tried: an autoregressive step costs far less than any tree, which no neighbour
-        tells)."""
+        """The bucket's median; for one measured fewer than MIN_COST_ROUNDS times, the fallback's price
+        shifted by the median difference between the two tables over the buckets both have measured
+        (none: unshifted; a stage-timed round costs about a fixed host sync more than an untimed one),
+        or else 0 (so that every bucket gets tried: an autoregressive step costs far less than any
+        tree, which no neighbour tells)."""
         if bucket not in self._estimates:
-            t = self.times.get(bucket)
-            self._estimates[bucket] = statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
+            price = self.own(bucket)
+            other = self.fallback.own(bucket) if self.fallback is not None and price <= 0 else 0.0
+            if other > 0:
+                price = max(other + self._shift(), 0.1 * other)
+            self._estimates[bucket] = price
         return self._estimates[bucket]
+
+    def _shift(self) -> float:
+        """The median of (own - fallback) over the buckets both have measured; 0 for none."""
+        both = [self.own(k) - self.fallback.own(k) for k in self.buckets
+                if self.own(k) > 0 and self.fallback.own(k) > 0]  # fmt: skip
+        return float(statistics.median(both)) if both else 0.0
 
     def estimates(self) -> tuple[np.ndarray, list[float], bool]:
         """estimate() of every bucket, as an array and as a list, and whether a bucket is unmeasured
@@ -639,10 +662,17 @@ class BudgetPolicy:
         stage_timed: the call times its stages (engine.stats.StageTimer), which reads two events per
         stage back each round and so slows every round: such a call's rounds are priced in cost tables
         of their own, kept apart from untimed calls' (a bucket seldom picked in untimed calls would
-        otherwise keep a stage-timed round's price)."""
-        if stage_timed not in self._cost_tables:
-            self._cost_tables[stage_timed] = (CostTable(self.buckets), CostTable((0,)))
+        otherwise keep a stage-timed round's price); the other mode's table prices what this one has
+        not measured yet, shifted (CostTable.estimate), so that a first untimed call does not try every
+        bucket again."""
+        for mode in (stage_timed, not stage_timed):
+            if mode not in self._cost_tables:
+                self._cost_tables[mode] = (CostTable(self.buckets), CostTable((0,)))
         self.costs, self.step_costs = self._cost_tables[stage_timed]
+        other_costs, other_steps = self._cost_tables[not stage_timed]
+        for table, other in ((self.costs, other_costs), (self.step_costs, other_steps)):
+            table.fallback = other
+            table.forget_estimates()
         self.copies = None if copies is None else np.asarray(copies, dtype=np.int64)
         self.sums = np.zeros((0, len(self.buckets)))
         self.age = np.zeros(0)
