@@ -67,6 +67,7 @@ def plan_attention(
     validate: bool = True,
     num_splits: int | None = None,
     invariant: bool = False,
+    length_hint: int | None = None,
 ) -> AttentionPlan:
     """The plan of one forward's attention, for every layer whose q and cache have these shapes.
 
@@ -81,7 +82,10 @@ def plan_attention(
     range of each row block into that many pieces (tests). invariant: the row-invariant mode of the Triton
     kernel (kernels/mla_attention_triton.py): a row's bits do not depend on the rest of the launch, and a
     tree node's equal those of the same token decoded alone after its ancestors (a kernel impl only;
-    issue 32)."""
+    issue 32). length_hint: the longest cache_seqlens the caller expects where max_seqlen is unknown (a
+    captured forward, whose cache has margins it seldom fills): steers the Triton kernel's split count
+    like max_seqlen, but is not trusted as a bound (any length still runs exactly: each request's
+    chunks are sized from its own length on the device), so the Hopper kernel ignores it."""
     _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
     check_impl(impl, q.device)
     if validate and not capturing(q.device):
@@ -100,6 +104,7 @@ def plan_attention(
     problem = Problem(b, t, h, d, d_v, softmax_scale, cache_seqlens, mask, block_table)
     capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     bound = min(max_seqlen or capacity, capacity)
+    steer = min(max_seqlen or length_hint or capacity, capacity)  # the Triton kernel's split count
     launch = None
     if kernel == "hopper":
         launch = _kernel_module(kernel).plan(
@@ -110,7 +115,7 @@ def plan_attention(
 
         slots = device_multiprocessors(q.device)
         launch = _kernel_module(kernel).plan(
-            problem, q.dtype, q.device, bound, slots, num_splits=num_splits, invariant=invariant
+            problem, q.dtype, q.device, steer, slots, num_splits=num_splits, invariant=invariant
         )
     return AttentionPlan(kernel, problem, q.dtype, tuple(q.shape), tuple(kv_cache.shape), launch)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
+from kdtree_engine.model import context
 from tests.engine.helpers import random_prompts, tiny_drafter, tiny_target
 
 
@@ -24,6 +25,30 @@ def test_repeated_calls_equal_fresh_calls(monkeypatch, method, pipelined):
         got, want = runner.generate(prompts), generate(target, drafter, prompts, config)
         assert got.tokens == want.tokens
         assert (got.stats.rounds, got.stats.accept_lengths) == (want.stats.rounds, want.stats.accept_lengths)
+
+
+@pytest.mark.parametrize("method,budget", [("autoregressive", None), ("ddtree", 8), ("ddtree", "auto")])
+def test_the_cache_tells_the_attention_the_rows_in_use_not_the_margins(monkeypatch, method, budget):
+    """A Runner's cache holds margins past prompt + limit (a tree written and not kept, rounds enqueued
+    ahead): its rows_hint is the prompt length plus the limit, which every forward hands the attention
+    plan with its own t added (plan_attention's length_hint: the split count), the same for every
+    method."""
+    hints = []
+    plan = context.plan_attention
+
+    def recording(*args, **kwargs):
+        hints.append((args[0].shape[1], kwargs.get("length_hint")))
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(context, "plan_attention", recording)
+    target = tiny_target(0)
+    drafter = None if method == "autoregressive" else tiny_drafter(0, block_size=6)
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=14, method=method, budget=budget),
+                    batch_size=2, prompt_len=9)  # fmt: skip
+    runner.generate(random_prompts(1, [9, 4], target.config.vocab_size))
+    cache = runner._state.cache
+    assert cache.rows_hint == 9 + 14 < cache.max_len
+    assert hints and all(hint == 9 + 14 + t for t, hint in hints)
 
 
 def test_sampled_calls_draw_as_fresh_calls():

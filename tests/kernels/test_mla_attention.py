@@ -426,3 +426,25 @@ def test_split_count_fills_the_chip_at_batch_one():
     assert kernels.pick_num_splits(2, 1, 32768, cfg, 512, 576, 132) == 64
     assert kernels.pick_num_splits(16, 1, 4096, cfg, 512, 576, 132) == 8
     assert kernels.pick_num_splits(1, 1, 300, cfg, 512, 576, 132) <= 5  # 5 tiles of 64 slots
+
+
+def test_a_length_hint_steers_the_split_count_and_is_not_trusted(device):
+    """length_hint (a captured forward's expected longest length, without max_seqlen) steers the Triton
+    kernel's split count as max_seqlen would: a cache of 1024 slots whose rows in use are few is
+    planned as the few rows; lengths past the hint still get the exact attention (each request's
+    chunks are sized from its own length on the device)."""
+    gen = torch.Generator().manual_seed(5)
+    t, h, d_c, d_r = 1, 2, 32, 8
+    q, kv, lengths, vis, _, _ = make_inputs(3, t, h, d_c, d_r, [40, 700, 3], torch.float32, None, "chain",
+                                            gen, capacity=1024)  # fmt: skip
+    scale = (d_c + d_r) ** -0.5
+    want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, scale, d_c, None)
+    q, kv, lengths = q.to(device), kv.to(device), lengths.to(device)
+    kwargs = dict(softmax_scale=scale, d_v=d_c, impl="triton", validate=False)
+    capacity = plan_attention(q, kv, lengths, **kwargs)
+    hinted = plan_attention(q, kv, lengths, length_hint=48, **kwargs)
+    known = plan_attention(q, kv, lengths, max_seqlen=48, **kwargs)
+    assert hinted.launch.num_splits == known.launch.num_splits < capacity.launch.num_splits
+    got_out, got_lse = hinted.run(q, kv)  # request 1 has 701 rows, past the hint
+    assert_close("out", got_out, want_out, TOL[torch.float32][0])
+    assert_close("lse", got_lse, want_lse, TOL[torch.float32][1])

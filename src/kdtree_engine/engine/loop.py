@@ -147,6 +147,7 @@ class _Run:
     timer: StageTimer
     draws: int = 0  # target-token choices so far: the noise offset of the next one
     copies: list[int] | None = None  # auto budget, greedy: per request, the first with its prompt and limit
+    rows_hint: int | None = None  # rows a request's own tokens fill at most (the cache's rows_hint)
 
     @property
     def impl(self) -> str | None:
@@ -196,6 +197,7 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None,
     is captured after (in the call's capture time)."""
     b = len(prompts)
     cache = state.cache if state is not None else run.target.new_cache(b, run.max_len)
+    cache.rows_hint = run.rows_hint  # the attention's split count: the rows in use, not the margins
     if state is not None:
         _reset_cache(cache)
         if state.dcache is not None:
@@ -913,7 +915,7 @@ class Runner:
         copies = _greedy_copies(self.config, prompts, sizes.limits)
         run = _Run(target=self.target, drafter=self.drafter, config=self.config, budget=sizes.budget,
                    noise_seed=self.config.seed % 2**64, limit=limit, max_len=self.sizes.max_len, reqs=reqs,
-                   stats=stats, timer=timer, copies=copies)  # fmt: skip
+                   stats=stats, timer=timer, copies=copies, rows_hint=self.sizes.rows)  # fmt: skip
         _use_graphs(run, self.device)  # a ValueError now rather than after the prefill
         _check_row_invariant(run, self.device)
         t0 = timer.now()

@@ -92,12 +92,14 @@ def generation_needs(
 class CallSizes:
     """What a generate() call sizes from the configs alone: limits [B] new tokens per request at most,
     budget the tree nodes per round (checked against what a tree op builds), max_len the cache rows per
-    request, needs its largest buffers by field (generation_needs)."""
+    request, needs its largest buffers by field (generation_needs); rows the most a request's own tokens
+    fill (prompt + limit; max_len less the rounds' margin)."""
 
     limits: list[int]
     budget: int
     max_len: int
     needs: Needs
+    rows: int = 0
 
 
 def call_sizes(
@@ -121,7 +123,8 @@ def call_sizes(
         reference_attention=resolve_impl(config.impl, torch.device(device)) == "ref",
         drafter_config=drafter_config,
     )
-    return CallSizes(limits, budget, max_len, needs)
+    rows = max(n + limit for n, limit in zip(prompt_lengths, limits))
+    return CallSizes(limits, budget, max_len, needs, rows)
 
 
 def weights_bytes(model_config, dtype: torch.dtype, drafter_config=None) -> int:

@@ -18,6 +18,9 @@ class LatentKVCache:
             raise ValueError(f"seqlens: expected shape ({kv.shape[1]},), got {tuple(seqlens.shape)}")
         self.kv = kv
         self.seqlens = seqlens.to(device=kv.device, dtype=torch.int64)
+        # the most rows a request's own tokens fill (prompt + new tokens), where the owner knows it: the
+        # rows past it are margins (a tree written and not kept); steers the attention's split count
+        self.rows_hint: int | None = None
 
     @classmethod
     def empty(
@@ -36,7 +39,9 @@ class LatentKVCache:
         return int(self.kv.shape[2])
 
     def clone(self) -> LatentKVCache:
-        return LatentKVCache(self.kv.clone(), self.seqlens.clone())
+        copy = LatentKVCache(self.kv.clone(), self.seqlens.clone())
+        copy.rows_hint = self.rows_hint
+        return copy
 
     def compact(
         self, start: torch.Tensor, keep: torch.Tensor, keep_len: torch.Tensor, *, validate: bool = True

@@ -24,7 +24,8 @@ class ForwardContext:
     [b, t, t] bool among them (None: causal); cos / sin [b, t, d_r / 2] in the activations' dtype;
     validate: False keeps every host read out (CUDA graph capture; the Hopper schedule is then computed
     on the device); invariant: on the kernel path, every op computes a token's row with an order that
-    does not depend on the rest of the launch (the forward's `row_invariant`; issue 32).
+    does not depend on the rest of the launch (the forward's `row_invariant`; issue 32); rows_hint: the
+    cache's (LatentKVCache.rows_hint), the plan's length hint with the forward's t added.
     """
 
     config: ModelConfig
@@ -36,6 +37,7 @@ class ForwardContext:
     sin: torch.Tensor
     validate: bool = True
     invariant: bool = False
+    rows_hint: int | None = None
     plan: AttentionPlan | None = field(default=None, init=False)
 
     @functools.cached_property
@@ -69,7 +71,9 @@ class ForwardContext:
         """q [b, t, h, r + d_r], kv_layer [b, max_len, r + d_r] -> latent output [b, t, h, r]."""
         if self.plan is None:
             c = self.config
+            hint = self.rows_hint + self.t if self.rows_hint else None
             self.plan = plan_attention(q, kv_layer, self.start + self.t, softmax_scale=c.softmax_scale,
                                        d_v=c.kv_lora_rank, visibility=self.visibility, impl=self.impl,
-                                       validate=self.validate, invariant=self.row_invariant)  # fmt: skip
+                                       validate=self.validate, invariant=self.row_invariant,
+                                       length_hint=hint)  # fmt: skip
         return self.plan.run(q, kv_layer)[0]

@@ -134,7 +134,8 @@ class DeepseekV3ForCausalLM(nn.Module):
             visibility = self.causal_mask(t).expand(b, t, t)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
-        ctx = ForwardContext(self.config, impl, start, t, visibility, cos, sin, check_values, row_invariant)
+        ctx = ForwardContext(self.config, impl, start, t, visibility, cos, sin, check_values, row_invariant,
+                             cache.rows_hint)  # fmt: skip
         captured, delta = {}, None
         for i, layer in enumerate(self.layers):
             x, h = layer.input_layernorm.add_norm(x, delta, ctx.op_impl)  # x: layer i - 1's output
