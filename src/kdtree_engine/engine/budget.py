@@ -749,7 +749,7 @@ class BudgetPolicy:
         """pick() in a call given to steps: a step, with none of the choice's per-round work (the
         host's time per round is what a call of steps pays beside the device's steps)."""
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
-        self.pending.append(_Choice(rows, np.zeros((rows.size, 0)), np.ones(rows.size)))
+        self.pending.append(_Choice(rows, np.zeros((rows.size, len(self.buckets))), np.ones(rows.size)))
         self.streak += 1
         return 0
 
