@@ -404,7 +404,7 @@ class _Stages:
         tree, ids, _, _ = self._first(n)
         acc = self._choose(tree, out.logits)
         count = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
-        s.cache.compact(s.start, acc.accepted, count, validate=False)
+        s.cache.compact(s.start, acc.accepted, count, validate=False, impl=self.run.impl)
         idx = acc.accepted.clamp(min=0)  # [B, L + 1]
         hidden = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
         if self.run.config.auto_budget:  # room for the rows of the autoregressive steps after it

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kdtree_engine.impl import resolve_impl
+from kdtree_engine.ref.cache_compact import compact_rows as ref_compact_rows
+
 
 class LatentKVCache:
     """kv [num_layers, b, max_len, kv_lora_rank + qk_rope_head_dim]: per token and layer the normalized
@@ -44,7 +47,13 @@ class LatentKVCache:
         return copy
 
     def compact(
-        self, start: torch.Tensor, keep: torch.Tensor, keep_len: torch.Tensor, *, validate: bool = True
+        self,
+        start: torch.Tensor,
+        keep: torch.Tensor,
+        keep_len: torch.Tensor,
+        *,
+        validate: bool = True,
+        impl: str | None = None,
     ) -> None:
         """Keep only chosen rows after a verify forward, in every layer, in place.
 
@@ -53,7 +62,9 @@ class LatentKVCache:
         Row start[b] + keep[b, i] moves to start[b] + i for i < keep_len[b]; seqlens = start + keep_len.
         The k destination rows start[b] + 0..k-1 must lie in the cache (rows past keep_len are
         rewritten with their own value). validate=False skips the checks that read values, so the
-        call never waits for the device (indices are then clamped into the cache).
+        call never waits for the device (indices are then clamped into the cache). impl: "ref" (the torch
+        reference, ref/cache_compact.py), a kernel impl (one launch, kernels/cache_compact.py) or None
+        (the kernel on CUDA).
         """
         b, k = keep.shape
         if b != self.batch_size or start.shape != (b,) or keep_len.shape != (b,):
@@ -63,18 +74,20 @@ class LatentKVCache:
             )
         dev = self.kv.device
         start, keep, keep_len = start.to(dev), keep.to(dev), keep_len.to(dev)
-        valid = torch.arange(k, device=dev)[None, :] < keep_len[:, None]  # [b, k]
-        src = start[:, None] + keep.clamp(min=0)  # [b, k]
-        dst = start[:, None] + torch.arange(k, device=dev)[None, :]
         if validate:
-            self._check_compact(valid, keep, src, dst)
-        src, dst = src.clamp(max=self.max_len - 1), dst.clamp(max=self.max_len - 1)
-        src = torch.where(valid, src, dst)  # rows past keep_len keep their value
-        batch = torch.arange(b, device=dev)[:, None].expand(b, k)
-        self.kv[:, batch, dst] = self.kv[:, batch, src]  # gathered before any write
-        self.seqlens.copy_(start + keep_len)
+            self._check_compact(start, keep, keep_len)
+        if resolve_impl(impl, dev) == "ref":
+            ref_compact_rows(self.kv, self.seqlens, start, keep, keep_len)
+        else:
+            from kdtree_engine.kernels.cache_compact import compact_rows
 
-    def _check_compact(self, valid, keep, src, dst) -> None:
+            compact_rows(self.kv, self.seqlens, start, keep, keep_len)
+
+    def _check_compact(self, start, keep, keep_len) -> None:
+        k = keep.shape[1]
+        valid = torch.arange(k, device=keep.device)[None, :] < keep_len[:, None]  # [b, k]
+        src = start[:, None] + keep.clamp(min=0)
+        dst = start[:, None] + torch.arange(k, device=keep.device)[None, :]
         if bool((valid & (keep < 0)).any()):
             raise ValueError("keep: an index inside keep_len is -1")
         if bool((valid & (src >= self.max_len)).any()) or bool((dst >= self.max_len).any()):
