@@ -18,7 +18,7 @@
 # "invariant" runs kimi-nano's grid with the row-invariant mode and without it (issue 32; greedy outputs
 # against AR and against each prompt decoded alone); "invariant-small" the mode's GPU tests, then the 2.5B
 # shape's grid with the mode and without it.
-# "engine" runs the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
+# "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
 # "traces" records kimi-nano's bf16 acceptance on the GPU for the policy simulator, then the nano grid (issue 28).
@@ -175,8 +175,11 @@ if [ "$what" = auto-overhead ]; then
   exit $status
 fi
 if [ "$what" = engine ]; then
-  # the engine's GPU tests (captured rounds, prefill and first-draft graphs, the auto budget's buckets
-  # with the chain), then the auto budget's kimi-nano grid (issues 27 and 28) in one device call
+  # the cache compaction's kernel against its reference on CUDA (its tests take the device when there is
+  # one), the engine's GPU tests (captured rounds, prefill and first-draft graphs, the auto budget's
+  # buckets with the chain), then the auto budget's kimi-nano grid (issues 27 and 28) in one device call
+  timeout "${T_CMP:-60}" python3 -m pytest -q tests/kernels/test_cache_compact.py -p no:cacheprovider 2>&1 \
+    | tee "$R/compact_tests.log" | tail -5 || status=1
   timeout "${T_ENG:-150}" python3 -m pytest -q -m gpu tests/engine --ignore tests/engine/test_gpu_row_invariance.py \
     -p no:cacheprovider -rs --durations=5 2>&1 \
     | tee "$R/engine_tests.log" | tail -20 || status=1
