@@ -125,6 +125,21 @@ def test_a_decisive_answer_for_steps_gives_the_call_to_steps():
     assert not policy.stepping
 
 
+def test_a_bucket_never_measured_does_not_keep_a_call_from_steps():
+    """Steps far cheaper per token than every tree measured, bucket 4 never run (no cost): the call is
+    given to steps at its first pick, where the rule alone would try bucket 4 first; with a close answer
+    (not decisive) the rule still tries it."""
+    costs = {0: 1.0, 8: 3.2, 16: 3.5, 32: 4.0, 64: 5.0}
+    policy = _policy_after_a_round(costs, 4, accepted=0.2)
+    assert policy.costs.estimate(4) == 0.0
+    active, left = [True] * 4, [120] * 4
+    assert policy.pick(active, must_draft=False) == 4  # the rule: an unmeasured bucket is tried
+    policy.pending.clear()
+    assert policy.pick(active, must_draft=True, remaining=left) == 0 and policy.stepping
+    close = _policy_after_a_round({0: 1.0, 8: 1.2, 16: 1.3, 32: 1.5, 64: 1.8}, 4, accepted=0.3)
+    assert close.pick(active, must_draft=False, remaining=left) == 4 and not close.stepping
+
+
 def test_a_call_given_to_steps_picks_without_weighing(monkeypatch):
     """Once a call is given to steps, its picks do none of the choice's per-round work (no estimate,
     no cost, no call test: host time a call of plain steps does not pay), and its steps are read and

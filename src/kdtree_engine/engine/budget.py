@@ -650,6 +650,7 @@ class BudgetPolicy:
         chain = chain_bucket(self.buckets)
         self._chain = None if chain is None else self.buckets.index(chain)
         self._candidates = np.ones(len(self.buckets), dtype=bool)  # _candidate_mask(), set by each pick
+        self._call_mask = self._candidates  # the buckets the static call's test weighs: candidates measured
         # per bucket index: the indices of the smaller trees whose counts its round tells
         self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
@@ -794,15 +795,19 @@ class BudgetPolicy:
         return steady_rate(rates, [c for c, ok in zip(costs, self._candidates.tolist()) if ok])
 
     def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int], must_draft: bool) -> bool:
-        """The static call's test (engine.budget_call.CallTest) for the running request rows, once every
-        bucket's cost (CostTable.estimate) is measured: the tokens each has left less what the rounds
-        picked and not read yet are expected to commit. A decisive answer for steps gives the call to
-        steps (`stepping`); while the drafter must run, only such an answer steps."""
+        """The static call's test (engine.budget_call.CallTest) for the running request rows, once the
+        step's cost and a tree's (CostTable.estimate) are measured, over the buckets measured: the
+        tokens each has left less what the rounds picked and not read yet are expected to commit. A
+        decisive answer for steps gives the call to steps (`stepping`); while the drafter must run, or
+        while a bucket is not measured yet (the rule would try it), only such an answer steps."""
         if 0 not in self.buckets or rows.size == 0:
             return False
         costs, values, _ = self.costs.estimates()
-        if self._unmeasured(values):
+        measured = costs > 0
+        if not measured[self.buckets.index(0)] or not measured[self._drafting].any():
             return False
+        partial = self._unmeasured(values)
+        self._call_mask = self._candidates & measured
         most = float(np.asarray(remaining)[rows].max())
         steps = self.call_test.kept_answer(most)
         decisive = steps is not None  # an answer is kept only when it was decisive
@@ -810,7 +815,7 @@ class BudgetPolicy:
             steps = self._call_answer(rows, remaining, costs, most)
             decisive = self.call_test.kept > 0
         self.stepping = steps and decisive
-        return self.stepping or (steps and not must_draft)
+        return self.stepping or (steps and not must_draft and not partial)
 
     def _call_answer(
         self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, most: float
@@ -862,10 +867,10 @@ class BudgetPolicy:
         pace_var: np.ndarray,
     ) -> np.ndarray:
         """steady_call_seconds with `switch` added to the steps' (see _call_costs), inf for a bucket
-        the choice may not take (the chain, ruled out)."""
+        the test does not weigh (the chain ruled out, a bucket not measured yet)."""
         seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_var)
         seconds[self.buckets.index(0)] += switch
-        return np.where(self._candidates, seconds, np.inf)
+        return np.where(self._call_mask, seconds, np.inf)
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
                 sums: np.ndarray | Sequence[Sequence[float]] | None,
