@@ -531,18 +531,22 @@ class CostTable:
     fallback: CostTable | None = None
     _estimates: dict[int, float] = field(default_factory=dict)  # estimate() per bucket, until observed
     _all: tuple[np.ndarray, list[float], bool] | None = None  # estimates(), until the next observation
+    _own: dict[int, float] = field(default_factory=dict)  # own() per bucket, until it is observed
+    _shift_kept: float | None = None  # _shift(), until the next observation here or a new call
 
     def observe(self, bucket: int, seconds: float) -> None:
         times = self.times.get(bucket)
         if times is None:
             times = self.times[bucket] = deque(maxlen=COST_WINDOW)
         times.append(float(seconds))
+        self._own.pop(bucket, None)
         self.forget_estimates()
 
     def forget_estimates(self) -> None:
         """Drops the cached estimates (after an observation, here or in the fallback)."""
         self._estimates.clear()
         self._all = None
+        self._shift_kept = None
 
     def measured(self, bucket: int) -> float | None:
         t = self.times.get(bucket)
@@ -550,8 +554,10 @@ class CostTable:
 
     def own(self, bucket: int) -> float:
         """The bucket's median, or 0 for one measured fewer than MIN_COST_ROUNDS times."""
-        t = self.times.get(bucket)
-        return statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
+        if bucket not in self._own:
+            t = self.times.get(bucket)
+            self._own[bucket] = statistics.median(t) if t and len(t) >= MIN_COST_ROUNDS else 0.0
+        return self._own[bucket]
 
     def estimate(self, bucket: int) -> float:
         """The bucket's median; for one measured fewer than MIN_COST_ROUNDS times, the fallback's price
@@ -569,9 +575,11 @@ class CostTable:
 
     def _shift(self) -> float:
         """The median of (own - fallback) over the buckets both have measured; 0 for none."""
-        both = [self.own(k) - self.fallback.own(k) for k in self.buckets
-                if self.own(k) > 0 and self.fallback.own(k) > 0]  # fmt: skip
-        return float(statistics.median(both)) if both else 0.0
+        if self._shift_kept is None:
+            both = [self.own(k) - self.fallback.own(k) for k in self.buckets
+                    if self.own(k) > 0 and self.fallback.own(k) > 0]  # fmt: skip
+            self._shift_kept = float(statistics.median(both)) if both else 0.0
+        return self._shift_kept
 
     def estimates(self) -> tuple[np.ndarray, list[float], bool]:
         """estimate() of every bucket, as an array and as a list, and whether a bucket is unmeasured
