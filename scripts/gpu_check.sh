@@ -183,7 +183,7 @@ if [ "$what" = engine ]; then
   timeout "${T_ENG:-150}" python3 -m pytest -q -m gpu tests/engine --ignore tests/engine/test_gpu_row_invariance.py \
     -p no:cacheprovider -rs --durations=5 2>&1 \
     | tee "$R/engine_tests.log" | tail -20 || status=1
-  timeout "${T_AUTO:-420}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
+  timeout "${T_AUTO:-380}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
     --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" | tail -40 \
     || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
