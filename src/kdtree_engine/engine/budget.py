@@ -658,7 +658,6 @@ class BudgetPolicy:
         chain = chain_bucket(self.buckets)
         self._chain = None if chain is None else self.buckets.index(chain)
         self._candidates = np.ones(len(self.buckets), dtype=bool)  # _candidate_mask(), set by each pick
-        self._call_mask = self._candidates  # the buckets the static call's test weighs: candidates measured
         # per bucket index: the indices of the smaller trees whose counts its round tells
         self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
@@ -815,7 +814,6 @@ class BudgetPolicy:
         if not measured[self.buckets.index(0)] or not measured[self._drafting].any():
             return False
         partial = self._unmeasured(values)
-        self._call_mask = self._candidates & measured
         most = float(np.asarray(remaining)[rows].max())
         steps = self.call_test.kept_answer(most)
         decisive = steps is not None  # an answer is kept only when it was decisive
@@ -878,7 +876,7 @@ class BudgetPolicy:
         the test does not weigh (the chain ruled out, a bucket not measured yet)."""
         seconds = steady_call_seconds(costs, left, ybar, variance, pace, pace_var)
         seconds[self.buckets.index(0)] += switch
-        return np.where(self._call_mask, seconds, np.inf)
+        return np.where(self._candidates & (costs > 0), seconds, np.inf)
 
     def observe(self, bucket: int, seconds: float | None, rows: Sequence[int], counts: Sequence[int],
                 sums: np.ndarray | Sequence[Sequence[float]] | None,
