@@ -80,3 +80,20 @@ def test_command_line_errors_are_one_line_and_exit_2():
         run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=99)
         lines = run.stderr.strip().splitlines()
         assert run.returncode == 2 and len(lines) == 1 and want in lines[0], run.stderr
+
+
+def test_forced_splits_reach_the_plan_and_keep_the_output(tune):
+    from kdtree_engine.bench.attention import make_problem
+
+    problems = [make_problem(1, 1, 2, 80, 0, torch.device("cpu"))]
+    rows = tune.compare(problems, [], lambda calls: 1.0, splits=(0, 1, 3))
+    assert [(r["config"], r["splits"]) for r in rows] == [(None, 0), (None, 1), (None, 3)]
+    assert all(r["max_diff"] < 2e-2 for r in rows)
+    plans = tune.calls(problems, None, 3)
+    assert len(plans) == 1
+    from kdtree_engine.attention import plan_attention
+
+    p = problems[0]
+    plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=tune.SCALE, d_v=tune.D_C,
+                          visibility=p["vis"], impl="triton", num_splits=3)  # fmt: skip
+    assert plan.launch.num_splits == 3

@@ -428,6 +428,19 @@ def test_split_count_fills_the_chip_at_batch_one():
     assert kernels.pick_num_splits(1, 1, 300, cfg, 512, 576, 132) <= 5  # 5 tiles of 64 slots
 
 
+def test_decode_launch_follows_the_cache_length():
+    """A contiguous decode (t*h <= 16) on caches up to SHORT_CACHE takes 32-slot tiles, longer or
+    unknown lengths 64-slot ones; a paged decode keeps its 32-slot, 5-stage launch; more rows keep the
+    64-row launch whatever the length."""
+    bf16 = torch.bfloat16
+    short = kernels.pick_config(bf16, 16, 512, max_len=kernels.SHORT_CACHE)
+    assert (short.block_m, short.block_n, short.num_stages) == (16, 32, 3)
+    for long in (None, kernels.SHORT_CACHE + 1, 32768):
+        assert kernels.pick_config(bf16, 16, 512, max_len=long).block_n == 64
+    assert kernels.pick_config(bf16, 8, 512, paged=True, max_len=100) == kernels.Config(16, 32, 4, 5)
+    assert kernels.pick_config(bf16, 17, 512, max_len=100).block_m == 64
+
+
 def test_a_length_hint_steers_the_split_count_and_is_not_trusted(device):
     """length_hint (a captured forward's expected longest length, without max_seqlen) steers the Triton
     kernel's split count as max_seqlen would: a cache of 1024 slots whose rows in use are few is

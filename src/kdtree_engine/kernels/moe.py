@@ -33,7 +33,8 @@ the same inputs give the same bits on every run.
 A token's row does not depend on the other rows of its launch wherever the launch configuration is
 the same: a tile's products are per-row dot products over H (or I) in BLOCK_K steps, in order, whatever
 the tile's other rows, and the combine sums a token's rows in a fixed order. For 16-bit weights every
-launch up to a mean of 32 rows per expert has the same BLOCK_N / BLOCK_K and, on sm_90, the same MMA
+launch up to a mean of 32 rows per expert has the same BLOCK_K (BLOCK_N, the columns a program
+computes, does not change a product's order) and, on sm_90, the same MMA
 instruction (BLOCK_M 16 and 32: mma.sync, HMMA.16816 in the SASS), so one token and a verify of 33
 give a token the same bits; 64-row tiles (more rows per expert) halve BLOCK_K and use wgmma (HGMMA).
 (The router's kernels, kernels/moe_router.route_hidden, hold the same for the ids and weights.)
@@ -99,15 +100,20 @@ def launch_config(n_assign: int, n_experts: int, itemsize: int) -> Launch:
 
     Larger batches: BLOCK_M follows the mean rows per expert (16 up to 8, 32 up to 32, else 64) so that
     an expert's weights are read by as few row tiles as possible; at 64-row tiles the products
-    dominate and the column blocks are 128 wide."""
+    dominate and the column blocks are 128 wide. With 16-row tiles (a verify of up to about 8 rows per
+    expert) gate_up's column blocks are 128 wide too: half the programs, each streaming twice the
+    weight rows (3-4 % faster at 33 tokens of the 2.5B shape, docs/engine.md); BLOCK_K stays, so a
+    row's products keep their order."""
     wide = 256 // itemsize
     if n_assign <= DECODE_ROWS:
         blocks = Blocks(64, wide, 4, 4)
         return Launch(16, blocks, blocks)
     rows = n_assign / n_experts
+    if rows <= 8:
+        return Launch(16, Blocks(128, wide, 4, 3), Blocks(64, wide, 4, 3))
     if rows <= 32:
         blocks = Blocks(64, wide, 4, 3)
-        return Launch(16 if rows <= 8 else 32, blocks, blocks)
+        return Launch(32, blocks, blocks)
     blocks = Blocks(128, wide // 2, 4, 3)
     return Launch(64, blocks, blocks)
 
