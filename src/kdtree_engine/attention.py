@@ -84,10 +84,8 @@ def plan_attention(
     tree node's equal those of the same token decoded alone after its ancestors (a kernel impl only;
     issue 32). length_hint: the longest cache_seqlens the caller expects where max_seqlen is unknown (a
     captured forward, whose cache has margins it seldom fills): steers the Triton kernel's split count
-    and launch, and the kernel's choice (a small call, one wave of work, goes to the Triton kernel on a
-    contiguous cache), like max_seqlen, but is not trusted as a bound (any length still runs exactly:
-    each request's chunks are sized from its own length on the device), so the Hopper kernel's schedule
-    ignores it."""
+    like max_seqlen, but is not trusted as a bound (any length still runs exactly: each request's
+    chunks are sized from its own length on the device), so the Hopper kernel ignores it."""
     _check_shapes(q, kv_cache, cache_seqlens, softmax_scale, d_v, visibility, ancestor_bits, block_table)
     check_impl(impl, q.device)
     if validate and not capturing(q.device):
@@ -95,9 +93,7 @@ def plan_attention(
     _expect(
         not (invariant and num_splits), "num_splits", "the row-invariant mode fixes its splits by position"
     )
-    capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    steer = min(max_seqlen or length_hint or capacity, capacity)  # the expected longest request
-    kernel = choose_kernel(impl, q, kv_cache, d_v, block_table is not None, steer)
+    kernel = choose_kernel(impl, q, kv_cache, d_v, block_table is not None)
     if invariant and kernel == "hopper":
         kernel = "triton"
     b, t, h, d = q.shape
@@ -106,7 +102,9 @@ def plan_attention(
         ancestor_bits = None
     mask = Mask.make(visibility, ancestor_bits, cache_seqlens)
     problem = Problem(b, t, h, d, d_v, softmax_scale, cache_seqlens, mask, block_table)
+    capacity = kv_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     bound = min(max_seqlen or capacity, capacity)
+    steer = min(max_seqlen or length_hint or capacity, capacity)  # the Triton kernel's split count
     launch = None
     if kernel == "hopper":
         launch = _kernel_module(kernel).plan(
@@ -132,14 +130,7 @@ def tree_mla_attention(
     return plan_attention(q, kv_cache, cache_seqlens, **options).run(q, kv_cache)
 
 
-def choose_kernel(
-    impl: str | None,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    d_v: int,
-    paged: bool,
-    length: int | None = None,
-) -> str:
+def choose_kernel(impl: str | None, q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool) -> str:
     """The dispatch table (first match):
 
     | impl               | when                                    | kernel   |
@@ -152,9 +143,7 @@ def choose_kernel(
 
     "hopper" on a GPU that is not sm_90 is an error; the Hopper kernel serves bf16/fp16 on sm_90 with
     d = 512 + 64 and a contiguous cache tensor: on pages of a multiple of 64 rows always, else (a
-    contiguous cache, or pages it gathers row by row) with more than 16 query rows per request; with
-    impl None, not a contiguous cache's call of less than one wave of its units (`length`, the expected
-    longest request: hopper.serves), which the Triton kernel's splits spread wider."""
+    contiguous cache, or pages it gathers row by row) with more than 16 query rows per request."""
     if impl == "ref" or (impl is None and (not q.is_cuda or q.dtype == torch.float64)):
         return "ref"
     _expect(
@@ -166,8 +155,7 @@ def choose_kernel(
 
     on_hopper = q.is_cuda and hopper.supported_device(q.get_device())
     _expect(impl is None or on_hopper, "impl", "'hopper' needs a CUDA GPU of compute capability 9.x")
-    serves = hopper.serves(q, kv_cache, d_v, paged, length if impl is None else None)
-    return "hopper" if on_hopper and serves else "triton"
+    return "hopper" if on_hopper and hopper.serves(q, kv_cache, d_v, paged) else "triton"
 
 
 def _kernel_module(kernel: str):

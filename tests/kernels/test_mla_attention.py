@@ -441,21 +441,6 @@ def test_decode_launch_follows_the_cache_length():
     assert kernels.pick_config(bf16, 17, 512, max_len=100).block_m == 64
 
 
-def test_one_wave_counts_units_of_64_rows_and_64_slots():
-    """The 2.5B shape's verify at batch 1 (33 x 16 rows over 225 slots: 9 x 4 = 36 units) is one wave on
-    132 multiprocessors; a 4k cache or batch 4 at 1k is not; a small contiguous call with more than 16
-    rows takes the 32-row Triton launch."""
-    from kdtree_engine.kernels.mla_attention_args import one_wave
-
-    assert one_wave(1, 33 * 16, 225, 132) and one_wave(1, 33 * 16, 64 * 14, 132)
-    assert not one_wave(1, 33 * 16, 64 * 15, 132) and not one_wave(4, 33 * 16, 1024, 132)
-    assert one_wave(1, 1, 0, 1) and not one_wave(2, 1, 1, 1)
-    assert kernels.pick_config(torch.bfloat16, 528, 512, max_len=225, small=True) == kernels.Config(
-        32, 64, 4, 2
-    )
-    assert kernels.pick_config(torch.bfloat16, 528, 512, max_len=225).block_m == 64
-
-
 def test_a_length_hint_steers_the_split_count_and_is_not_trusted(device):
     """length_hint (a captured forward's expected longest length, without max_seqlen) steers the Triton
     kernel's split count as max_seqlen would: a cache of 1024 slots whose rows in use are few is

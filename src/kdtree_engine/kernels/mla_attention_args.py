@@ -10,14 +10,6 @@ import torch
 
 LOG2E = 1.4426950408889634
 MASK_VISIBILITY, MASK_BITS, MASK_CAUSAL = 0, 1, 2
-UNIT = 64  # rows and slots of the unit of work `one_wave` counts
-
-
-def one_wave(b: int, rows: int, length: int, multiprocessors: int) -> bool:
-    """Whether b requests of `rows` query rows over up to `length` cache slots make at most one unit
-    (64 rows x 64 slots) per multiprocessor: a call too small to fill the chip unless its cache range
-    is split (a verify at batch 1 over a short cache)."""
-    return b * -(-rows // UNIT) * -(-max(length, 1) // UNIT) <= multiprocessors
 
 
 @dataclass(frozen=True)

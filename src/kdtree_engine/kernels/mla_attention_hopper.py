@@ -44,7 +44,7 @@ from triton.language.core import _aggregate as aggregate
 
 from kdtree_engine.kernels import mla_attention_schedule as schedule
 from kdtree_engine.kernels._device import device_multiprocessors
-from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem, one_wave
+from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_pieces
 from kdtree_engine.kernels.mla_attention_schedule import Schedule
 
@@ -75,32 +75,19 @@ def gathers(kv_cache: torch.Tensor, paged: bool) -> bool:
     return paged and kv_cache.shape[1] % 64 != 0
 
 
-def serves(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool, length: int | None = None) -> bool:
+def serves(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int, paged: bool) -> bool:
     """Whether this kernel can run the call: Hopper, bf16/fp16, (d_c, d_r) in SHAPES, 16-byte aligned q
     and a contiguous 16-byte aligned cache, and at least MIN_ROWS query rows per request unless the
     cache's pages are a multiple of 64 rows: on pages of 64 this kernel, one 64-row block for the few
     rows, beat every Triton decode launch timed at h = 8, t = 1 (docs/notes/kernels.md); decode on a
-    gathered cache (pages of 1, ...) stays with the Triton kernel until it is timed. With `length` (the
-    expected longest request), not a contiguous cache's call of at most one wave of (row block, tile)
-    units (`small_call`)."""
+    gathered cache (pages of 1, ...) stays with the Triton kernel until it is timed."""
     if q.dtype not in (torch.bfloat16, torch.float16) or not q.is_cuda:
-        return False
-    if length is not None and not paged and small_call(q, length):
         return False
     few_rows = q.shape[1] * q.shape[2] < MIN_ROWS
     if (d_v, q.shape[-1] - d_v) not in SHAPES or (few_rows and (not paged or gathers(kv_cache, paged))):
         return False
     aligned = kv_cache.data_ptr() % 16 == 0 and q.data_ptr() % 16 == 0
     return aligned and kv_cache.is_contiguous() and supported_device(q.get_device())
-
-
-def small_call(q: torch.Tensor, length: int) -> bool:
-    """A call of q [b, t, h, d] over requests of up to `length` slots that is one wave of units (the
-    2.5B shape's verify at batch 1: 33 x 16 rows over 225 slots, 36 units): this kernel would give it
-    one program per row block and no cut (MIN_TILES), most of the chip idle; the Triton kernel's KV
-    splits spread it (14.1 against 20.7 us there, H100, docs/engine.md)."""
-    b, t, h, _ = q.shape
-    return one_wave(b, t * h, length, device_multiprocessors(q.device))
 
 
 def cache_desc(kv_cache: torch.Tensor) -> TensorDescriptor:

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 from kdtree_engine.kernels._align import aligned, stride_align
-from kdtree_engine.kernels.mla_attention_args import MASK_BITS, MASK_CAUSAL, Problem, one_wave
+from kdtree_engine.kernels.mla_attention_args import MASK_BITS, MASK_CAUSAL, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_splits
 from kdtree_engine.ref.mla_attention import bits_to_visibility
 
@@ -297,12 +297,7 @@ SHORT_CACHE = 2048  # decode on a contiguous cache up to this length takes 32-sl
 
 
 def pick_config(
-    dtype: torch.dtype,
-    rows: int,
-    d_c: int,
-    paged: bool = False,
-    max_len: int | None = None,
-    small: bool = False,
+    dtype: torch.dtype, rows: int, d_c: int, paged: bool = False, max_len: int | None = None
 ) -> Config:
     """Launch shape by dtype and rows per request (t*h): wide M tiles feed the tensor cores when rows
     are many; narrow ones waste less when rows are few (decode); float32 keeps exact fp32 products.
@@ -313,9 +308,7 @@ def pick_config(
     most SHORT_CACHE long (max_len, the plan's bound or hint) takes 32-slot tiles too, with 3 stages: a
     request there is a few tiles that one program reads, and the smaller tile halves the bytes each
     copy waits for (1.05-1.25x at 97-2048 slots, h = 16, batch 1 and 4; 64-slot tiles stay faster from
-    8k on). More rows in a small call (one wave of 64 x 64 units, args.one_wave: the Hopper kernel
-    leaves those to this one) take 32-row blocks: twice the programs to split the short range over
-    (h = 16, t = 17 and 33, 130-1024 slots, batch 1: 1.05-1.6x the 64-row launch)."""
+    8k on)."""
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:
@@ -324,8 +317,6 @@ def pick_config(
         if max_len is not None and max_len <= SHORT_CACHE:
             return Config(block_m=16, block_n=32, num_warps=4, num_stages=3)
         return Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
-    if small:
-        return Config(block_m=32, block_n=64, num_warps=4, num_stages=2)
     return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
 
 
@@ -397,8 +388,7 @@ def plan(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, slo
         part = torch.empty(p.b, splits, p.rows, p.d_v, dtype=torch.float32, device=device)
         plse = torch.empty(p.b, splits, p.rows, dtype=torch.float32, device=device)
         return Launch(cfg, splits, part, plse, INVARIANT_CHUNK, ancestor_slots(p))
-    small = not p.paged and one_wave(p.b, p.rows, max_len, slots)
-    cfg = config or pick_config(dtype, p.rows, p.d_v, p.paged, max_len, small)
+    cfg = config or pick_config(dtype, p.rows, p.d_v, p.paged, max_len)
     m_blocks = triton.cdiv(p.rows, cfg.block_m)
     splits = num_splits or pick_num_splits(p.b, m_blocks, max_len, cfg, p.d_v, p.d, slots)
     if splits == 1:
