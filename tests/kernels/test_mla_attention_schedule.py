@@ -116,10 +116,9 @@ def test_device_schedule_equals_the_specification(device):
     for _ in range(60):
         b, blocks = rng.choice([1, 2, 3, 16, 64]), rng.choice([1, 2, 3, 9, 33])
         sms, forced = rng.choice([1, 4, 11, 13, 132]), rng.choice([0, 0, 0, 2, 5])
-        min_tiles = rng.choice([sched.MIN_TILES, 1])
         lengths = torch.randint(1, rng.choice([100, 5000, 40000]), (b,))
-        want = sched.schedule(b, blocks, -(-int(lengths.max()) // 64), sms, forced, min_tiles)
-        got = sched.device_schedule(lengths.to(device), blocks, sms, 64, forced, min_tiles)
+        want = sched.schedule(b, blocks, -(-int(lengths.max()) // 64), sms, forced)
+        got = sched.device_schedule(lengths.to(device), blocks, sms, 64, forced)
         assert tuple(got.tolist()) == tuple(want)
         spans = [sched.program_units(want, b, c) for c in range(want.programs)]
         pieces = [sum(u0 < (rb + 1) * want.tiles and u1 > rb * want.tiles for u0, u1 in spans)
@@ -180,32 +179,3 @@ def test_schedule_aligns_only_within_its_slack(b, blocks, tiles, monkeypatch):
     monkeypatch.setattr(sched, "ALIGN_SLACK", (0, 1))  # never aligned: the plain balanced cut
     s = sched.schedule(b, blocks, tiles, 132)
     assert s.groups == 0 and s.tiles == tiles and s.per == balanced_per
-
-
-def test_min_tiles_one_spreads_a_short_verify_over_the_chip():
-    """The 2.5B shape's verify at batch 1 (9 row blocks of 4 tiles, 132 multiprocessors): MIN_TILES keeps
-    one program per row block; min_tiles = 1 gives every tile its own program (each row block cut in 4);
-    a problem of more than one wave is scheduled as before."""
-    whole = sched.schedule(1, 9, 4, 132)
-    assert (whole.per, whole.programs, whole.cuts()) == (4, 9, False)
-    spread = sched.schedule(1, 9, 4, 132, min_tiles=1)
-    assert (spread.per, spread.programs, spread.cuts()) == (1, 36, True)
-    assert sched.schedule(16, 9, 64, 132, min_tiles=1) == sched.schedule(16, 9, 64, 132)
-
-
-def test_the_hopper_plan_spreads_only_contiguous_tree_verifies():
-    """min_tiles_for: 1 for a contiguous cache with a full row block of query rows, MIN_TILES for decode
-    rows and paged caches."""
-    from kdtree_engine.kernels import mla_attention_hopper as hopper
-    from kdtree_engine.kernels.mla_attention_args import Mask, Problem
-
-    dummy = torch.zeros(1, dtype=torch.int32)
-    mask = Mask.make(None, None, dummy)
-    table = torch.zeros(1, 1, dtype=torch.int32)
-
-    def problem(t, h, block_table=None):
-        return Problem(1, t, h, 576, 512, 0.1, dummy, mask, block_table)
-
-    assert hopper.min_tiles_for(problem(33, 16)) == 1 and hopper.min_tiles_for(problem(8, 8)) == 1
-    assert hopper.min_tiles_for(problem(1, 16)) == sched.MIN_TILES
-    assert hopper.min_tiles_for(problem(33, 16, table)) == sched.MIN_TILES

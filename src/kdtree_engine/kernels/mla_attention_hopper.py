@@ -611,15 +611,6 @@ class Launch:
     max_pieces: int  # a bound on one row block's pieces
 
 
-def min_tiles_for(p: Problem) -> int:
-    """A program's least share of a row block's tiles (the schedule's min_tiles): 1 for a tree verify
-    on a contiguous cache (at least one full row block per request), so that a short one at batch 1 is
-    spread over the chip in one-tile pieces (the 2.5B shape's verify of 33 over 130-225 slots: 15.9-16.7
-    against 19.8-20.7 us uncut, H100, docs/notes/kernels.md); MIN_TILES otherwise (decode, SGLang's
-    paged pools), where that was not measured."""
-    return 1 if (not p.paged and p.rows >= BLOCK_M) else schedule.MIN_TILES
-
-
 def plan(p: Problem, device: torch.device, max_seqlen: int | None, forced: int = 0) -> Launch:
     """The launch of problem p: with max_seqlen (the lengths known on the host) the exact grid of the
     host's schedule and a merge only if it cuts a row block; without (a captured forward) the schedule
@@ -627,12 +618,11 @@ def plan(p: Problem, device: torch.device, max_seqlen: int | None, forced: int =
     always launched. forced: cut each row block's tiles into that many pieces (tests)."""
     sms = device_multiprocessors(device)
     blocks = -(-p.rows // BLOCK_M)
-    min_tiles = min_tiles_for(p)
     if max_seqlen is not None:
-        host = schedule.schedule(p.b, blocks, -(-max_seqlen // TILE), sms, forced, min_tiles)
+        host = schedule.schedule(p.b, blocks, -(-max_seqlen // TILE), sms, forced)
         sched, programs, merge = p.seqlens, host.programs, host.cuts()
     else:
-        host, sched = None, schedule.device_schedule(p.seqlens, blocks, sms, TILE, forced, min_tiles)
+        host, sched = None, schedule.device_schedule(p.seqlens, blocks, sms, TILE, forced)
         programs, merge = (p.b * blocks * forced if forced else sms), True
     part = torch.empty(2 * programs, BLOCK_M, p.d_v, dtype=torch.float32, device=device)
     plse = torch.empty(2 * programs, BLOCK_M, dtype=torch.float32, device=device)

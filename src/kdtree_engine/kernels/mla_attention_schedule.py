@@ -12,9 +12,7 @@ units are rb * NT .. rb * NT + NT - 1. A plane has P = b * NT units. Two layouts
 `schedule` is the specification, in Python; `device_schedule` computes the same numbers on the device
 from the lengths (one tiny launch per forward, no host read), so a captured forward replays it for new
 lengths. Rules:
-- balanced: PER = max(cdiv(units, programs), min(NT, min_tiles)) (min_tiles: MIN_TILES, or 1 for the
-  plans that ask it: a short verify at batch 1 is then cut into one-tile pieces over the chip instead of
-  one program per row block); when that is at least 4 row blocks,
+- balanced: PER = max(cdiv(units, programs), min(NT, MIN_TILES)); when that is at least 4 row blocks,
   whole row blocks (imbalance <= 1/4, no cut, no merge);
 - aligned when a request has several row blocks: G = multiprocessors // MB programs per plane and PER
   balanced over a plane's units (the same rounding to whole row blocks), kept when it is at most
@@ -34,6 +32,7 @@ from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU i
 
 MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
 ALIGN_SLACK = (11, 10)  # the aligned PER may be at most 11/10 of the flat one
+_MIN_TILES = tl.constexpr(MIN_TILES)
 _SLACK_NUM, _SLACK_DEN = tl.constexpr(ALIGN_SLACK[0]), tl.constexpr(ALIGN_SLACK[1])
 FIELDS = 5  # the numbers of a schedule, as the device holds them
 
@@ -50,25 +49,23 @@ class Schedule(NamedTuple):
         return self.per % self.tiles != 0 and (self.groups if self.groups else self.programs) > 1
 
 
-def _balanced(units: int, tiles: int, programs: int, min_tiles: int = MIN_TILES) -> int:
-    """PER for `units` over `programs`: at least min(tiles, min_tiles), whole row blocks from 4 up."""
-    per = max(triton.cdiv(units, max(programs, 1)), min(tiles, min_tiles))
+def _balanced(units: int, tiles: int, programs: int) -> int:
+    """PER for `units` over `programs`: at least min(tiles, MIN_TILES), whole row blocks from 4 up."""
+    per = max(triton.cdiv(units, max(programs, 1)), min(tiles, MIN_TILES))
     return triton.cdiv(per, tiles) * tiles if per >= 4 * tiles else per
 
 
-def schedule(
-    b: int, blocks: int, tiles: int, sms: int, forced: int = 0, min_tiles: int = MIN_TILES
-) -> Schedule:
+def schedule(b: int, blocks: int, tiles: int, sms: int, forced: int = 0) -> Schedule:
     """b requests of `blocks` row blocks of `tiles` tiles each, over `sms` programs."""
     tiles = max(tiles, 1)
     units = b * blocks * tiles
     if forced:
         per = triton.cdiv(tiles, forced)
         return Schedule(tiles, per, units, triton.cdiv(units, per), 0)
-    per = _balanced(units, tiles, sms, min_tiles)
+    per = _balanced(units, tiles, sms)
     groups = sms // blocks
     if blocks > 1 and groups >= 1:
-        aligned = _balanced(b * tiles, tiles, groups, min_tiles)
+        aligned = _balanced(b * tiles, tiles, groups)
         if aligned * ALIGN_SLACK[1] <= per * ALIGN_SLACK[0]:
             groups = triton.cdiv(b * tiles, aligned)
             return Schedule(tiles, aligned, units, blocks * groups, groups)
@@ -107,19 +104,17 @@ def _cdiv(a, b):
 
 
 @triton.jit
-def _balanced_per(units, tiles, programs, min_tiles):
-    per = tl.maximum(_cdiv(units, tl.maximum(programs, 1)), tl.minimum(tiles, min_tiles))
+def _balanced_per(units, tiles, programs):
+    per = tl.maximum(_cdiv(units, tl.maximum(programs, 1)), tl.minimum(tiles, _MIN_TILES))
     if per >= 4 * tiles:
         per = _cdiv(per, tiles) * tiles
     return per
 
 
-@triton.jit(do_not_specialize=["B", "MB", "SMS", "FORCED", "MIN_T"])
-def _schedule_kernel(
-    seqlens_ptr, sched_ptr, B, MB, SMS, FORCED, MIN_T, BN: tl.constexpr, BLOCK_B: tl.constexpr
-):
-    """sched_ptr [5] int32 <- schedule(B, MB, cdiv(max seqlens, BN), SMS, FORCED, MIN_T) (tiles, per,
-    units, programs, groups); one program, the same integer arithmetic as `schedule`."""
+@triton.jit(do_not_specialize=["B", "MB", "SMS", "FORCED"])
+def _schedule_kernel(seqlens_ptr, sched_ptr, B, MB, SMS, FORCED, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+    """sched_ptr [5] int32 <- schedule(B, MB, cdiv(max seqlens, BN), SMS, FORCED) (tiles, per, units,
+    programs, groups); one program, the same integer arithmetic as `schedule`."""
     longest = B * 0
     for b0 in range(0, B, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
@@ -132,9 +127,9 @@ def _schedule_kernel(
     if FORCED > 0:
         per = _cdiv(tiles, FORCED)
     else:
-        per = _balanced_per(units, tiles, SMS, MIN_T)
+        per = _balanced_per(units, tiles, SMS)
         if (MB > 1) & (SMS // MB >= 1):
-            aligned = _balanced_per(B * tiles, tiles, SMS // MB, MIN_T)
+            aligned = _balanced_per(B * tiles, tiles, SMS // MB)
             if aligned * _SLACK_DEN <= per * _SLACK_NUM:
                 per = aligned
                 groups = _cdiv(B * tiles, aligned)
@@ -145,14 +140,12 @@ def _schedule_kernel(
     tl.store(sched_ptr + 4, groups)
 
 
-def device_schedule(
-    seqlens: torch.Tensor, blocks: int, sms: int, tile: int, forced: int = 0, min_tiles: int = MIN_TILES
-) -> torch.Tensor:
+def device_schedule(seqlens: torch.Tensor, blocks: int, sms: int, tile: int, forced: int = 0) -> torch.Tensor:
     """int32 [FIELDS] on seqlens' device: `schedule` of this forward (tiles, per, units, programs, groups)."""
     sched = torch.empty(FIELDS, dtype=torch.int32, device=seqlens.device)
     b = seqlens.shape[0]
     block_b = min(triton.next_power_of_2(max(b, 1)), 1024)
-    _schedule_kernel[(1,)](seqlens, sched, b, blocks, sms, forced, min_tiles, BN=tile, BLOCK_B=block_b)
+    _schedule_kernel[(1,)](seqlens, sched, b, blocks, sms, forced, BN=tile, BLOCK_B=block_b)
     return sched
 
 
