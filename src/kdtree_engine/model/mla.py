@@ -190,12 +190,14 @@ class MLAttention(nn.Module):
         out = ctx.attend(q, kv_layer)  # [b, t, h, r]
         _, w_uv = self._w_uk_uv()
         invariant = kernels and ctx.row_invariant
-        # the value lift per head, written in place into v's [b, t, h, d_v] rows (an einsum's [h, b t, d_v]
-        # result would cost a copy before o_proj at t > 1); row-invariant GEMMs in the invariant mode
-        c = self.c
-        v = torch.empty(b, t, c.num_attention_heads, c.v_head_dim, dtype=x.dtype, device=x.device)
-        lat = out.to(x.dtype).reshape(b * t, c.num_attention_heads, -1).transpose(0, 1)  # [h, b t, r]
-        per_head_into(
-            lat, w_uv.transpose(1, 2), v.view(b * t, c.num_attention_heads, -1).transpose(0, 1), invariant
-        )
+        if kernels:  # the value lift per head, written in place into v's [b, t, h, d_v] rows (the einsum's
+            # [h, b t, d_v] result costs a copy before o_proj at t > 1); row-invariant GEMMs in that mode
+            c = self.c
+            v = torch.empty(b, t, c.num_attention_heads, c.v_head_dim, dtype=x.dtype, device=x.device)
+            lat = out.to(x.dtype).reshape(b * t, c.num_attention_heads, -1).transpose(0, 1)  # [h, b t, r]
+            per_head_into(
+                lat, w_uv.transpose(1, 2), v.view(b * t, c.num_attention_heads, -1).transpose(0, 1), invariant
+            )
+        else:  # the reference path (autograd too: training)
+            v = torch.einsum("bthr,hdr->bthd", out.to(x.dtype), w_uv)  # [b, t, h, d_v]
         return project(v.reshape(b, t, -1), self.o_proj, invariant)
