@@ -59,6 +59,7 @@ from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU i
 CHUNK_H = 256  # hidden columns per partial logit: fixed by H alone
 LOGIT_ROWS = 16  # token rows per matmul program (tl.dot's minimum)
 LOGIT_BLOCK_K = 64  # hidden columns per matmul step
+LOGIT_WARPS = 4  # warps per matmul program
 NONE = tl.constexpr(-(2**63))  # below every packed key: padding, removed or dropped candidates
 LOW31 = tl.constexpr(2**31 - 1)
 
@@ -252,7 +253,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_e = logit_block_e(n_experts)
     grid = (triton.cdiv(n, LOGIT_ROWS), n_parts, triton.cdiv(n_experts, block_e))
     _logits_kernel[grid](x, weight.contiguous(), parts, n, hidden, n_experts, x.stride(0), CHUNK=CHUNK_H,
-                         BLOCK_M=LOGIT_ROWS, BLOCK_E=block_e, BLOCK_K=LOGIT_BLOCK_K)  # fmt: skip
+                         BLOCK_M=LOGIT_ROWS, BLOCK_E=block_e, BLOCK_K=LOGIT_BLOCK_K,
+                         num_warps=LOGIT_WARPS)  # fmt: skip
     return parts
 
 
