@@ -429,16 +429,18 @@ def test_split_count_fills_the_chip_at_batch_one():
 
 
 def test_decode_launch_follows_the_cache_length():
-    """A contiguous decode (t*h <= 16) on caches up to SHORT_CACHE takes 32-slot tiles, longer or
-    unknown lengths 64-slot ones; a paged decode keeps its 32-slot, 5-stage launch; more rows keep the
-    64-row launch whatever the length."""
+    """A contiguous decode (t*h <= 16) of up to SHORT_BATCH requests on caches up to SHORT_CACHE takes
+    32-slot tiles; longer or unknown lengths and larger batches 64-slot ones; a paged decode keeps its
+    32-slot, 5-stage launch; more rows keep the 64-row launch whatever the length."""
     bf16 = torch.bfloat16
-    short = kernels.pick_config(bf16, 16, 512, max_len=kernels.SHORT_CACHE)
-    assert (short.block_m, short.block_n, short.num_stages) == (16, 32, 3)
+    for batch in (1, kernels.SHORT_BATCH):
+        short = kernels.pick_config(bf16, 16, 512, max_len=kernels.SHORT_CACHE, batch=batch)
+        assert (short.block_m, short.block_n, short.num_stages) == (16, 32, 3)
     for long in (None, kernels.SHORT_CACHE + 1, 32768):
-        assert kernels.pick_config(bf16, 16, 512, max_len=long).block_n == 64
-    assert kernels.pick_config(bf16, 8, 512, paged=True, max_len=100) == kernels.Config(16, 32, 4, 5)
-    assert kernels.pick_config(bf16, 17, 512, max_len=100).block_m == 64
+        assert kernels.pick_config(bf16, 16, 512, max_len=long, batch=1).block_n == 64
+    assert kernels.pick_config(bf16, 16, 512, max_len=100, batch=kernels.SHORT_BATCH + 1).block_n == 64
+    assert kernels.pick_config(bf16, 8, 512, paged=True, max_len=100, batch=1) == kernels.Config(16, 32, 4, 5)
+    assert kernels.pick_config(bf16, 17, 512, max_len=100, batch=1).block_m == 64
 
 
 def test_a_length_hint_steers_the_split_count_and_is_not_trusted(device):

@@ -293,28 +293,29 @@ def _split_kv_kernel(
     tl.store(lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + rows, lse, mask=row_ok)
 
 
-SHORT_CACHE = 2048  # decode on a contiguous cache up to this length takes 32-slot tiles (pick_config)
+SHORT_CACHE = 2048  # decode on a contiguous cache up to this length takes 32-slot tiles (pick_config),
+SHORT_BATCH = 4  # at batches up to this one (the sizes it was timed at)
 
 
 def pick_config(
-    dtype: torch.dtype, rows: int, d_c: int, paged: bool = False, max_len: int | None = None
+    dtype: torch.dtype, rows: int, d_c: int, paged: bool = False, max_len: int | None = None, batch: int = 0
 ) -> Config:
     """Launch shape by dtype and rows per request (t*h): wide M tiles feed the tensor cores when rows
     are many; narrow ones waste less when rows are few (decode); float32 keeps exact fp32 products.
     A paged decode takes 32-slot tiles and 5 stages: the tile's address comes from a load of the block
     table, and Triton's pipeliner spends stages on that chain (64-slot tiles with 3 stages got one
     buffer and no copy in flight); the fastest of the launch shapes timed on pages of 1 (docs/notes/
-    kernels.md; pages of 64 go to the Hopper kernel on sm_90). A contiguous decode whose caches are at
-    most SHORT_CACHE long (max_len, the plan's bound or hint) takes 32-slot tiles too, with 3 stages: a
-    request there is a few tiles that one program reads, and the smaller tile halves the bytes each
-    copy waits for (1.05-1.25x at 97-2048 slots, h = 16, batch 1 and 4; 64-slot tiles stay faster from
-    8k on)."""
+    kernels.md; pages of 64 go to the Hopper kernel on sm_90). A contiguous decode of at most
+    SHORT_BATCH requests whose caches are at most SHORT_CACHE long (max_len, the plan's bound or hint)
+    takes 32-slot tiles too, with 3 stages: a request there is a few tiles that one program reads, and
+    the smaller tile halves the bytes each copy waits for (1.05-1.25x at 97-2048 slots, h = 16, batch 1
+    and 4; 64-slot tiles stay faster from 8k on; larger batches were not timed)."""
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:
         if paged:
             return Config(block_m=16, block_n=32, num_warps=4, num_stages=5)
-        if max_len is not None and max_len <= SHORT_CACHE:
+        if max_len is not None and max_len <= SHORT_CACHE and 0 < batch <= SHORT_BATCH:
             return Config(block_m=16, block_n=32, num_warps=4, num_stages=3)
         return Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
     return Config(block_m=64, block_n=64, num_warps=8 if d_c >= 256 else 4, num_stages=2)
@@ -388,7 +389,7 @@ def plan(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, slo
         part = torch.empty(p.b, splits, p.rows, p.d_v, dtype=torch.float32, device=device)
         plse = torch.empty(p.b, splits, p.rows, dtype=torch.float32, device=device)
         return Launch(cfg, splits, part, plse, INVARIANT_CHUNK, ancestor_slots(p))
-    cfg = config or pick_config(dtype, p.rows, p.d_v, p.paged, max_len)
+    cfg = config or pick_config(dtype, p.rows, p.d_v, p.paged, max_len, p.b)
     m_blocks = triton.cdiv(p.rows, cfg.block_m)
     splits = num_splits or pick_num_splits(p.b, m_blocks, max_len, cfg, p.d_v, p.d, slots)
     if splits == 1:
