@@ -18,6 +18,8 @@
 # "invariant" runs kimi-nano's grid with the row-invariant mode and without it (issue 32; greedy outputs
 # against AR and against each prompt decoded alone); "invariant-small" the mode's GPU tests, then the 2.5B
 # shape's grid with the mode and without it.
+# "small-forward" profiles the 2.5B shape's decode and verify forwards, times the router matmul's launch
+# shapes and our projection GEMM against cuBLAS, then bench e2e on that shape at batch 1 (issue 27).
 # "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
@@ -171,6 +173,22 @@ if [ "$what" = auto-overhead ]; then
   # shellcheck disable=SC2086
   timeout "${T_OVER:-330}" python3 scripts/auto_overhead.py --batch ${OVERHEAD_BATCH:-1 4 16 64} --budgets 16 32 \
     --calls 5 2>&1 | tee "$R/auto_overhead.log" | tail -40 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = small-forward ]; then
+  # issue 27: where the 2.5B forward's time goes and the launches left to try (the router's matmul, our
+  # projection GEMM against cuBLAS at the 2.5B shapes), then the 2.5B shape's bench at batch 1
+  for n in 1 33; do
+    timeout "${T_PROF:-60}" python3 scripts/profile_decode.py --batch 1 --nodes "$n" --graph --rows 24 \
+      >"$R/profile_b1_n$n.log" 2>&1 || status=1
+  done
+  timeout "${T_ROUTER:-60}" python3 scripts/probe_router_launch.py --tokens 1 33 2>&1 | tee "$R/router.log" \
+    | tail -20 || status=1
+  timeout "${T_LIN:-60}" python3 scripts/bench_linear.py --rows 1 33 --rep-ms 30 2>&1 | tee "$R/bench_linear.log" \
+    | tail -30 || status=1
+  timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target small --batch 1 --temperatures 0 \
+    --budgets 32 64 --out "$R/small_b1" 2>&1 | tee "$R/bench_small_b1.log" | tail -30 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
