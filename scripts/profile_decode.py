@@ -15,7 +15,7 @@ import torch
 
 from kdtree_engine.bench.e2e_small import kimi_small_config, random_target
 from kdtree_engine.bench.forward_cost import forward_call
-from kdtree_engine.bench.timing import kernel_profile, time_graph
+from kdtree_engine.bench.timing import capture_graph, kernel_profile, time_graph
 
 
 def main() -> None:
@@ -43,14 +43,7 @@ def main() -> None:
 def print_replay_profile(forward, rows: int) -> None:
     """Kernels of one replay of the forward captured in a CUDA graph: their summed GPU time against the
     span from the first kernel's start to the last one's end (the gaps: launch latency inside the graph)."""
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        forward()
+    graph = capture_graph([forward])
     for _ in range(3):
         graph.replay()
     prof = kernel_profile(graph.replay)

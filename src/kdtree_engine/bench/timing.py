@@ -109,9 +109,9 @@ def _l2_flush(enabled: bool):
         driver.set_active(active)
 
 
-def _capture(fns: list, calls: int, warmup: int) -> torch.cuda.CUDAGraph:
+def capture_graph(fns: list, calls: int = 1, warmup: int = 1) -> torch.cuda.CUDAGraph:
     """The calls warmed up on a side stream, then captured in one graph: each of `fns` in order,
-    `calls` times."""
+    `calls` times (time_graph's capture; scripts/profile_decode.py profiles a replay of it)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -149,7 +149,7 @@ def time_graph(
         raise ValueError("time_graph: needs a CUDA GPU (time_host times host code)")
     from triton.testing import do_bench
 
-    graph = _capture(fns, calls, warmup)
+    graph = capture_graph(fns, calls, warmup)
     with _l2_flush(flush_l2):
         times_ms = do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="all")
     per_call = len(fns) * calls
@@ -216,6 +216,7 @@ def count_kernels(fn: Callable[[], object]) -> int:
 
 __all__ = [
     "Timing",
+    "capture_graph",
     "count_kernels",
     "device_copy_bandwidth",
     "kernel_profile",
