@@ -195,14 +195,11 @@ def test_recorded_traces_hold_a_round_per_commit_at_every_tree_bucket():
     """scripts/record_acceptance_traces.py on a tiny pair whose drafter has a chain bucket (L = 7): per
     request, rounds whose largest-bucket counts add up to its tokens, S and counts at the tree buckets
     only (the chain's column dropped): S 0 at bucket 0 and growing with the bucket, counts too."""
-    import importlib.util
-
     from kdtree_engine.engine import GenerationConfig, SamplingParams
+    from tests.bench.scripts import load_script
     from tests.engine.helpers import random_prompts, tiny_drafter, tiny_target
 
-    spec = importlib.util.spec_from_file_location("record_traces", "scripts/record_acceptance_traces.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("record_acceptance_traces")
     target, drafter = tiny_target(), tiny_drafter(block_size=8)
     prompts = random_prompts(5, [6, 9], target.config.vocab_size)
     config = GenerationConfig(

@@ -2,23 +2,15 @@
 launch reaches router_logits and is undone, the partial logits stay those of the default launch, and
 bad arguments are one line on stderr with exit code 2."""
 
-import importlib.util
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_router_launch.py"
+from tests.bench.scripts import assert_cli_errors, load_script
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("probe_router_launch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("probe_router_launch")
 
 
 def test_candidates_reach_the_launch_and_keep_the_logits(probe, monkeypatch):
@@ -49,9 +41,4 @@ def test_candidates_reach_the_launch_and_keep_the_logits(probe, monkeypatch):
 
 
 def test_command_line_errors_are_one_line_and_exit_2():
-    for argv, want in ((["--candidates", "1,2"], "--candidates"), ([], "needs a CUDA GPU")):
-        if not argv and torch.cuda.is_available():
-            continue
-        run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=99)
-        lines = run.stderr.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1 and want in lines[0], run.stderr
+    assert_cli_errors("probe_router_launch", ["--candidates", "1,2"], "--candidates")

@@ -5,23 +5,17 @@ stderr with exit code 2 (so is a machine without a GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.bench.scripts import assert_cli_errors, load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tune_triton_attention.py"
+pytest.importorskip("triton")
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("tune_triton_attention", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("tune_triton_attention")
 
 
 def test_parse_config(tune):
@@ -71,15 +65,7 @@ def test_compare_times_every_candidate_on_the_same_inputs(tune, page):
 
 
 def test_command_line_errors_are_one_line_and_exit_2():
-    import subprocess
-    import sys
-
-    for argv, want in ((["--configs", "1,2"], "--configs"), ([], "needs a CUDA GPU")):
-        if not argv and torch.cuda.is_available():
-            continue
-        run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=99)
-        lines = run.stderr.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1 and want in lines[0], run.stderr
+    assert_cli_errors("tune_triton_attention", ["--configs", "1,2"], "--configs")
 
 
 def test_forced_splits_reach_the_plan_and_keep_the_output(tune):
