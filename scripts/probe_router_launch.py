@@ -3,8 +3,8 @@ scaled-down Kimi shape (E = 32 experts, H = 2048; Kimi-K2's E = 384, H = 7168 wi
 its default launch against candidates (experts per program, hidden columns per step, warps), timed by
 bench/timing.time_graph (CUDA-graph replays, the L2 flushed, medians). None of these changes a logit's
 bits on the GPU (each is a sequential float32 FMA chain over its chunk whatever the blocks), which the
-table checks against the default. `scripts/profile_decode.py --graph` had the launch at 11 us a layer
-(H100, 2026-12-06): 121 us of a 1.36 ms decode step. Prints a markdown table, writes it under $OUT.
+table checks against the default. Why: `scripts/profile_decode.py --graph` found this launch a large share
+of the 2.5B decode step (docs/engine.md). Prints a markdown table, writes it under $OUT.
 
     python scripts/probe_router_launch.py [--tokens 1 33] [--candidates 16,64,4 32,256,4 16,256,2]
 """

@@ -308,8 +308,9 @@ def pick_config(
     kernels.md; pages of 64 go to the Hopper kernel on sm_90). A contiguous decode of at most
     SHORT_BATCH requests whose caches are at most SHORT_CACHE long (max_len, the plan's bound or hint)
     takes 32-slot tiles too, with 3 stages: a request there is a few tiles that one program reads, and
-    the smaller tile halves the bytes each copy waits for (1.05-1.25x at 97-2048 slots, h = 16, batch 1
-    and 4; 64-slot tiles stay faster from 8k on; larger batches were not timed)."""
+    the smaller tile halves the bytes each copy waits for (faster where timed, batches 1 and 4 up to
+    2048 slots; 64-slot tiles stay faster on long caches; larger batches were not timed: docs/notes/
+    kernels.md)."""
     if dtype == torch.float32:
         return Config(block_m=16, block_n=32, num_warps=4, num_stages=1)
     if rows <= 16:

@@ -102,7 +102,7 @@ def launch_config(n_assign: int, n_experts: int, itemsize: int) -> Launch:
     an expert's weights are read by as few row tiles as possible; at 64-row tiles the products
     dominate and the column blocks are 128 wide. With 16-row tiles (a verify of up to about 8 rows per
     expert) gate_up's column blocks are 128 wide too: half the programs, each streaming twice the
-    weight rows (3-4 % faster at 33 tokens of the 2.5B shape, docs/engine.md); BLOCK_K stays, so a
+    weight rows (faster at the 2.5B shape's verify, docs/notes/kernels.md); BLOCK_K stays, so a
     row's products keep their order."""
     wide = 256 // itemsize
     if n_assign <= DECODE_ROWS:
