@@ -44,16 +44,16 @@ for dt, size in (("bf16", 2), ("fp32", 4)):
         found[f"combine-{dt}-shared{int(shared)}"] = build(moe._combine_kernel, sig, cst)
 for dt in ("bf16", "fp32"):
     sig = {"x_ptr": "*" + dt, "w_ptr": "*fp32", "part_ptr": "*fp32", **i32("N", "H", "E", "stride_x")}
-    for e in (16, 32, 384):
-        cst = dict(CHUNK=router.CHUNK_H, BLOCK_M=router.LOGIT_ROWS, BLOCK_E=router.logit_block_e(e),
-                   BLOCK_K=router.LOGIT_BLOCK_K)
-        found[f"router_logits-{dt}-e{e}"] = build(router._logits_kernel, sig, cst)
+    for e, hidden in ((16, 2048), (32, 2048), (384, 7168)):
+        lo = router.logit_launch(hidden, e)
+        cst = dict(CHUNK=lo.chunk, BLOCK_M=router.LOGIT_ROWS, BLOCK_E=lo.block_e, BLOCK_K=lo.block_k)
+        found[f"router_logits-{dt}-e{e}"] = build(router._logits_kernel, sig, cst, warps=lo.num_warps)
 sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64",
-       **i32("stride", "S", "part_stride"), "scaling": "fp32"}
+       **i32("stride", "part_stride"), "scaling": "fp32"}
 for e, groups, keep, k in ((384, 1, 1, 8), (256, 8, 4, 8), (32, 1, 1, 6), (16, 4, 2, 4)):
     gp, sp = triton.next_power_of_2(groups), triton.next_power_of_2(e // groups)
     cst = dict(N_GROUP=groups, GROUP_SIZE=e // groups, TOPK_GROUP=keep, TOP_K=k, NORM=True, GP=gp, SP=sp,
-               KP=triton.next_power_of_2(k), INTERPRET=False)
+               KP=triton.next_power_of_2(k), INTERPRET=False, S=router.MAX_PARTS)
     found[f"route-e{e}"] = build(router._route_kernel, sig, cst, warps=router.num_warps(gp * sp))
 print(json.dumps(found))
 """

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdtree_engine.kernels.moe_router import CHUNK_H, route, route_hidden, router_logits
+from kdtree_engine.kernels.moe_router import logit_launch, route, route_hidden, router_logits
 from kdtree_engine.model.moe import Router
 from kdtree_engine.model.testing import tiny_config
 
@@ -117,7 +117,8 @@ def test_router_logits_sum_to_the_matmul(hidden, device):
     x = torch.randn(21, hidden, generator=gen).bfloat16()
     weight = torch.randn(48, hidden, generator=gen) * hidden**-0.5
     parts = router_logits(x.to(device), weight.to(device)).cpu()
-    assert parts.shape == (-(-hidden // CHUNK_H), 21, 48) and parts.dtype == torch.float32
+    assert parts.shape == (-(-hidden // logit_launch(hidden, 48).chunk), 21, 48)
+    assert parts.dtype == torch.float32
     want = x.double() @ weight.double().T
     torch.testing.assert_close(parts.double().sum(0), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 

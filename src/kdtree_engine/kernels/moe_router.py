@@ -3,12 +3,14 @@
 
 Matmul (`_logits_kernel`, grid (cdiv(n, 16), S, cdiv(E, BLOCK_E))): the hidden rows x [n, H] (any float
 dtype, widened to float32 as they are loaded: no separate cast launch) times the float32 router weight
-[E, H], split over H into S = cdiv(H, CHUNK_H) fixed chunks; each program writes the float32 partial
-logits of its chunk, tl.dot in IEEE float32 (sequential FMAs on the GPU); the routing sums the S
-partials in order s = 0 .. S-1. The chunks depend on H only and every product on its row only, so a
-token's logits, and so its ids and weights, are the same bits whatever the other rows of the launch
-(a cuBLAS GEMM picks its kernel, and so its reduction order, by the number of rows). They differ from
-torch's F.linear in the last bits.
+[E, H], split over H into S = cdiv(H, chunk) fixed chunks (`logit_launch`: chunks of 64 columns or
+more, at most MAX_PARTS of them); each program writes the float32 partial logits of its chunk, tl.dot in
+IEEE float32 (sequential FMAs on the GPU); the routing sums the S partials in order s = 0 .. S-1.
+Small chunks give a decode step many programs for a weight of a few hundred KB (one program per chunk
+and 16 experts), and the routing's S loads are issued together. The chunks depend on H only and every
+product on its row only, so a token's logits, and so its ids and weights, are the same bits whatever the
+other rows of the launch (a cuBLAS GEMM picks its kernel, and so its reduction order, by the number of
+rows). They differ from torch's F.linear in the last bits.
 
 Input of the routing: logits [n, E] float32 (or S partials summed as above) and the
 e_score_correction_bias [E].
@@ -56,10 +58,9 @@ from triton.language.extra import libdevice
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 
-CHUNK_H = 256  # hidden columns per partial logit: fixed by H alone
 LOGIT_ROWS = 16  # token rows per matmul program (tl.dot's minimum)
-LOGIT_BLOCK_K = 64  # hidden columns per matmul step
-LOGIT_WARPS = 4  # warps per matmul program
+MIN_CHUNK = 64  # hidden columns per partial logit, at least
+MAX_PARTS = 32  # partial logits per token, at most (the routing sums them unrolled)
 NONE = tl.constexpr(-(2**63))  # below every packed key: padding, removed or dropped candidates
 LOW31 = tl.constexpr(2**31 - 1)
 
@@ -96,10 +97,11 @@ def _index(key):
 
 
 @triton.jit
-def _logits(ptr, offs, mask, S, part_stride):
-    """The float32 logits at offs: the sum of the S partials (part_stride apart), in order s = 0 .. S-1."""
+def _logits(ptr, offs, mask, S: tl.constexpr, part_stride):
+    """The float32 logits at offs: the sum of the S partials (part_stride apart), in order s = 0 .. S-1
+    (unrolled: the S loads are issued together, not one latency after another)."""
     x = tl.load(ptr + offs, mask=mask, other=0.0)
-    for s in range(1, S):
+    for s in tl.static_range(1, S):
         x += tl.load(ptr + s * part_stride + offs, mask=mask, other=0.0)
     return x
 
@@ -127,7 +129,7 @@ def _logits_kernel(x_ptr, w_ptr, part_ptr, N, H, E, stride_x, CHUNK: tl.constexp
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride, S, part_stride, scaling,
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride, S: tl.constexpr, part_stride, scaling,
                   N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   TOP_K: tl.constexpr, NORM: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr,
                   KP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
@@ -235,26 +237,40 @@ def route(
     return _route(logits[None], logits.stride(0), e, bias, r)
 
 
-def logit_block_e(n_experts: int) -> int:
-    """Experts per matmul program: all of them up to 64 (16 at least, tl.dot's minimum), else 64."""
-    return min(64, max(16, triton.next_power_of_2(n_experts)))
+@dataclass(frozen=True)
+class LogitLaunch:
+    """The matmul's launch: hidden columns per partial logit (`chunk`, fixing the reduction order),
+    experts per program, hidden columns per tl.dot step, warps."""
+
+    chunk: int
+    block_e: int
+    block_k: int
+    num_warps: int
+
+
+def logit_launch(hidden: int, n_experts: int) -> LogitLaunch:
+    """The chunk: the smallest power of two >= MIN_CHUNK giving at most MAX_PARTS partials (H alone
+    decides it, so a token's logits are the same bits in any launch); 16 experts and one warp a program
+    (many small programs: the weight read is spread over the GPU)."""
+    chunk = max(MIN_CHUNK, triton.next_power_of_2(triton.cdiv(hidden, MAX_PARTS)))
+    return LogitLaunch(chunk=chunk, block_e=16, block_k=MIN_CHUNK, num_warps=1)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [n, H] (float32, bfloat16 or float16; last dim contiguous), weight [E, H] float32 -> the partial
-    logits [S, n, E] float32, S = cdiv(H, CHUNK_H): part[s] = x[:, chunk s] . weight[:, chunk s]^T, so
-    that their sum in order s = 0 .. S-1 is x.float() @ weight^T. One launch."""
+    logits [S, n, E] float32, S = cdiv(H, chunk) (logit_launch): part[s] = x[:, chunk s] . weight[:,
+    chunk s]^T, so that their sum in order s = 0 .. S-1 is x.float() @ weight^T. One launch."""
     n, hidden = x.shape
     n_experts = weight.shape[0]
-    n_parts = triton.cdiv(hidden, CHUNK_H)
+    launch = logit_launch(hidden, n_experts)
+    n_parts = triton.cdiv(hidden, launch.chunk)
     parts = torch.empty(n_parts, n, n_experts, dtype=torch.float32, device=x.device)
     if n == 0:
         return parts
-    block_e = logit_block_e(n_experts)
-    grid = (triton.cdiv(n, LOGIT_ROWS), n_parts, triton.cdiv(n_experts, block_e))
-    _logits_kernel[grid](x, weight.contiguous(), parts, n, hidden, n_experts, x.stride(0), CHUNK=CHUNK_H,
-                         BLOCK_M=LOGIT_ROWS, BLOCK_E=block_e, BLOCK_K=LOGIT_BLOCK_K,
-                         num_warps=LOGIT_WARPS)  # fmt: skip
+    grid = (triton.cdiv(n, LOGIT_ROWS), n_parts, triton.cdiv(n_experts, launch.block_e))
+    _logits_kernel[grid](x, weight.contiguous(), parts, n, hidden, n_experts, x.stride(0), CHUNK=launch.chunk,
+                         BLOCK_M=LOGIT_ROWS, BLOCK_E=launch.block_e, BLOCK_K=launch.block_k,
+                         num_warps=launch.num_warps)  # fmt: skip
     return parts
 
 
