@@ -55,6 +55,8 @@ def forced(candidate: tuple[int, ...] | None):
 
         def launch(hidden: int, n_experts: int) -> moe_router.LogitLaunch:
             chunk = candidate[3] if len(candidate) == 4 else default(hidden, n_experts).chunk
+            if chunk % block_k:
+                raise ValueError(f"--candidates: BLOCK_K {block_k} does not divide the chunk {chunk}")
             return moe_router.LogitLaunch(chunk, block_e, block_k, warps)
 
         moe_router.logit_launch = launch
@@ -97,6 +99,11 @@ def main() -> None:
     from kdtree_engine.bench.timing import time_graph
 
     experts, hidden, top_k = (384, 7168, 8) if args.kimi else (32, 2048, 6)
+    chunk = moe_router.logit_launch(hidden, experts).chunk
+    if any(len(c) == 3 and chunk % c[1] for c in candidates):
+        parser.exit(
+            2, f"probe_router_launch: --candidates: a BLOCK_K does not divide the default chunk {chunk}\n"
+        )
     device = torch.device("cuda")
     weight = torch.randn(experts, hidden, device=device) * hidden**-0.5
     route_args = dict(bias=torch.randn(experts, device=device) * 0.1, n_group=1, topk_group=1, top_k=top_k,

@@ -3,7 +3,7 @@
 
 Matmul (`_logits_kernel`, grid (cdiv(n, 16), S, cdiv(E, BLOCK_E))): the hidden rows x [n, H] (any float
 dtype, widened to float32 as they are loaded: no separate cast launch) times the float32 router weight
-[E, H], split over H into S = cdiv(H, chunk) fixed chunks (`logit_launch`: chunks of 64 columns or
+[E, H], split over H into S = cdiv(H, chunk) fixed chunks (`logit_launch`: chunks of 32 columns or
 more, at most MAX_PARTS of them); each program writes the float32 partial logits of its chunk, tl.dot in
 IEEE float32 (sequential FMAs on the GPU); the routing sums the S partials in order s = 0 .. S-1.
 Small chunks give a decode step many programs for a weight of a few hundred KB (one program per chunk
@@ -59,8 +59,8 @@ from triton.language.extra import libdevice
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 
 LOGIT_ROWS = 16  # token rows per matmul program (tl.dot's minimum)
-MIN_CHUNK = 64  # hidden columns per partial logit, at least
-MAX_PARTS = 32  # partial logits per token, at most (the routing sums them unrolled)
+MIN_CHUNK = 32  # hidden columns per partial logit, at least
+MAX_PARTS = 64  # partial logits per token, at most (the routing sums them unrolled)
 NONE = tl.constexpr(-(2**63))  # below every packed key: padding, removed or dropped candidates
 LOW31 = tl.constexpr(2**31 - 1)
 
