@@ -23,13 +23,6 @@ tile varies fastest), so the row tiles of a slice share it through the L2 cache.
 cuBLAS in the GPU tests' companion benchmark before the model uses it. The row strides stay out of
 Triton's specialization and come with their alignment (kernels/_align.py), so the x tiles are copied
 asynchronously, 16 bytes at a time, like the weight tiles.
-
-The small-M launch (`invariant=False`, at most SMALL_M rows): the same kernel as the projection of the
-default mode, where cuBLAS's kernels for a decode step or a tree verify read a few MB of weights at
-about a third of the memory's rate. One row tile holds every row (BLOCK_M = M rounded up to a power of
-two, 16 at least), so the weight is read once, and the columns are cut into narrow blocks
-(`small_m_launch`) so that a weight of a few MB gives every multiprocessor a program with several loads
-in flight. A row's bits then depend on M's tile (not row-invariant: that is the invariant launch's job).
 """
 
 from __future__ import annotations
@@ -45,20 +38,17 @@ from kdtree_engine.kernels._align import aligned, stride_align
 from kdtree_engine.ref.linear import check_linear_args, linear_ref
 
 BLOCK_M = 16
-SMALL_M = 64  # the most rows of the small-M launch
-SMS_HINT = 132  # multiprocessors of the GPUs the small-M launch is shaped for (H100 / H200)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """BLOCK_N output columns and BLOCK_K reduction steps per program, warps and pipeline stages (the
-    invariant launch: the same for every M), and the rows of a row tile."""
+    """BLOCK_N output columns and BLOCK_K reduction steps per program, warps and pipeline stages: the same
+    for every M."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    block_m: int = BLOCK_M
 
 
 def launch_config(n: int, k: int, itemsize: int) -> Launch:
@@ -67,19 +57,6 @@ def launch_config(n: int, k: int, itemsize: int) -> Launch:
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(256 // itemsize, max(16, triton.next_power_of_2(k)))
     return Launch(block_n, block_k, num_warps=4, num_stages=4)
-
-
-def small_m_launch(m: int, n: int, k: int, itemsize: int) -> Launch:
-    """The small-M launch for M <= SMALL_M rows of a weight [n, k]: one row tile of every row, 16-column
-    blocks where 32-column ones would leave most multiprocessors idle, 128 bytes of a weight row per
-    step (256 where K allows and the row tile is small), four steps in flight."""
-    if not 0 < m <= SMALL_M:
-        raise ValueError(f"small_m_launch: M must be in 1..{SMALL_M}, got {m}")
-    block_m = max(16, triton.next_power_of_2(m))
-    block_n = 16 if triton.cdiv(n, 32) < 2 * SMS_HINT else 32
-    step = 256 if block_m <= 16 else 128
-    block_k = min(step // itemsize, max(16, triton.next_power_of_2(k)))
-    return Launch(block_n, block_k, num_warps=4, num_stages=4, block_m=block_m)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xb", "stride_xm", "stride_yb", "stride_ym"])
@@ -112,37 +89,28 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xb, stride_xm, st
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _launch(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, invariant: bool
-) -> None:
-    """x [B, M, K], weight [B, N, K] (any strides), y [B, M, N]; x and y with unit stride along K, N;
-    the invariant launch, or the small-M one where M <= SMALL_M and not `invariant`."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """x [B, M, K], weight [B, N, K] (any strides), y [B, M, N]; x and y with unit stride along K, N."""
     nb, m, k = x.shape
     n = weight.shape[1]
     if m == 0 or nb == 0:
         return
-    if invariant or m > SMALL_M:
-        cfg = launch_config(n, k, x.element_size())
-    else:
-        cfg = small_m_launch(m, n, k, x.element_size())
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), nb)
+    cfg = launch_config(n, k, x.element_size())
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, cfg.block_n), nb)
     read = (x.stride(1), y.stride(1)) + ((x.stride(0), y.stride(0)) if nb > 1 else ())  # one batch: unread
     _linear_kernel[grid](
         x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee", ALIGN=stride_align(x.element_size(), *read), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
 
 
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, invariant: bool = True
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K], weight [N, K], bias [N] or None, one dtype (float32, bfloat16 or float16; float64 runs
     the reference) -> [..., N] in x's dtype, each row's bits independent of the other rows (module
-    docstring), or with `invariant=False` the small-M launch where the rows number at most SMALL_M.
-    One launch, no host sync; M = 0 rows gives an empty output."""
+    docstring). One launch, no host sync; M = 0 rows gives an empty output."""
     n, k = check_linear_args(x, weight, bias)
     if x.dtype == torch.float64:
         return linear_ref(x, weight, bias)
@@ -150,18 +118,15 @@ def linear(
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = torch.empty(rows.shape[0], n, dtype=x.dtype, device=x.device)
-    _launch(rows[None], weight[None], bias, y[None], invariant)
+    _launch(rows[None], weight[None], bias, y[None])
     return y.view(*x.shape[:-1], n)
 
 
-def batched_linear_into(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, *, invariant: bool = True
-) -> torch.Tensor:
+def batched_linear_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[i] = x[i] weight[i]^T for each i: x [B, M, K], weight [B, N, K] (any strides: a transposed
     view is read in place), out [B, M, N] (may be a strided view, e.g. columns of a wider buffer), one
     dtype (float32, bfloat16 or float16); x and out with unit stride along their last dim. The
-    per-head projections of MLA (W_UK, W_UV) as row-invariant GEMMs (or, `invariant=False`, with the
-    small-M launch where M <= SMALL_M). Returns out."""
+    per-head projections of MLA (W_UK, W_UV) as row-invariant GEMMs. Returns out."""
     if x.dim() != 3 or weight.dim() != 3 or out.dim() != 3:
         raise ValueError("batched_linear_into: expected x [B, M, K], weight [B, N, K], out [B, M, N]")
     nb, m, k = x.shape
@@ -171,5 +136,5 @@ def batched_linear_into(
         )
     if x.stride(-1) != 1 or out.stride(-1) != 1 or not (x.dtype == weight.dtype == out.dtype):
         raise ValueError("batched_linear_into: x and out need unit stride along their last dim, one dtype")
-    _launch(x, weight, None, out, invariant)
+    _launch(x, weight, None, out)
     return out
