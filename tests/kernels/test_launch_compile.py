@@ -66,8 +66,11 @@ def test_streaming_kernels_keep_a_copy_in_flight(launches):
     loop's first wait leaves copies in flight. The one exception is the Triton attention's 64-row launch
     (t * h > 16): two buffers, refilled once the P V product is issued (a third does not fit next to 64
     query rows of 576); on an H200 the Hopper kernel serves those calls unless the pages are not
-    multiples of 64."""
+    multiples of 64. The router's matmul reads its chunk in one step where the chunk is one BLOCK_K (a
+    program per chunk and 16 experts: no loop to pipeline)."""
     for where, name, report in _reports(launches, STREAMING):
+        if name == "_logits_kernel" and report["constants"]["CHUNK"] == report["constants"]["BLOCK_K"]:
+            continue  # the router's matmul in one step per program (many small programs): no loop
         assert report["copy_buffers"] and min(report["copy_buffers"]) >= 2, f"{where}: {report}"
         if name == "_split_kv_kernel" and report["constants"]["BLOCK_M"] == 64:
             continue

@@ -32,10 +32,16 @@ SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_bt
                                       "stride_vi")})
 SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "GATHER", "SCHED_ON_DEVICE",
                                            "num_warps")})
+def pdl_order(ptx):
+    # the global / shared memory accesses and async copies in the PTX text before griddepcontrol.wait
+    # (-1: no wait at all)
+    at = ptx.find("griddepcontrol.wait")
+    return -1 if at < 0 else len(re.findall(r"\b(ld|st|cp\.async|red|atom)\.[\w.]*(global|shared)", ptx[:at]))
 builds = [("visibility", False, 0), ("visibility", True, 0), ("bits", False, 1), ("causal", False, 2)]
 builds += [("gather", True, 0), ("gather-bits", True, 1), ("gather-device", True, 0)]  # pages of 1 (SGLang)
 builds += [("device", False, 0)]  # the schedule read from the device (a captured forward)
 builds += [("ones", False, 1)]  # with the JIT's constexpr specialization of ints equal to 1
+builds += [("pdl", False, 0)]  # launched with programmatic dependent launch (kernels/_pdl.py)
 ONES = ("T", "B", "GROUPS", "page_size", "stride_btb", "NT", "PER")  # t = 1, b = 1, a contiguous cache
 found = {}
 for name, paged, mode in builds:
@@ -50,9 +56,11 @@ for name, paged, mode in builds:
     if name == "ones":  # arguments the partitions get must survive being constexpr
         sig.update({n: "constexpr" for n in ONES})
         cst.update({n: 1 for n in ONES})
+    if name == "pdl":
+        sig["PDL"], cst["PDL"] = "constexpr", True
     fn = k._attention_kernel
     kernel = triton.compile(GluonASTSource(fn, sig, cst, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cst["num_warps"]})
+                            options={"num_warps": cst["num_warps"], "launch_pdl": name == "pdl"})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"]); f.flush()
         sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name],
@@ -67,7 +75,8 @@ for name, paged, mode in builds:
         "shared": kernel.metadata.shared, "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
         "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
         "warps": kernel.metadata.num_warps, "mma": mma, "ldgsts128": cp_async,
-        "tma": len(re.findall(r"UTMALDG", sass))}
+        "tma": len(re.findall(r"UTMALDG", sass)), "pdl": kernel.metadata.launch_pdl,
+        "ptx_memory_before_wait": pdl_order(kernel.asm["ptx"])}
 print(json.dumps(found))
 """
 
@@ -106,3 +115,12 @@ def test_hopper_kernel_builds_as_designed(compiled, mask, cache):
         assert got["ldgsts128"] > 0 and got["tma"] == 0, got
     else:
         assert got["tma"] > 0 and got["ldgsts128"] == 0, got
+
+
+def test_hopper_kernel_waits_first_under_pdl(compiled):
+    """Launched with PDL, the kernel's first memory access comes after griddepcontrol.wait (the
+    predecessor's writes visible, its reads done); without PDL the wait is compiled out."""
+    got = compiled["pdl-contiguous"]
+    assert got["pdl"] is True and got["ptx_memory_before_wait"] == 0, got
+    assert got["mma"] == compiled["visibility-contiguous"]["mma"] and got["local"] == 0, got
+    assert compiled["visibility-contiguous"]["ptx_memory_before_wait"] == -1

@@ -42,8 +42,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
+from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels import mla_attention_schedule as schedule
 from kdtree_engine.kernels._device import device_multiprocessors
+from kdtree_engine.kernels._pdl import gluon_wait_then_release
 from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_pieces
 from kdtree_engine.kernels.mla_attention_schedule import Schedule
@@ -542,7 +544,9 @@ def _attention_kernel(
     GATHER: gl.constexpr,  # any page size: rows gathered by cp.async through the block table, not TMA
     SCHED_ON_DEVICE: gl.constexpr,
     num_warps: gl.constexpr,  # 4: warpgroup 0; warpgroup 1 is the worker partition
+    PDL: gl.constexpr = False,
 ):
+    gluon_wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     c = gl.program_id(0)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     if SCHED_ON_DEVICE:
@@ -655,4 +659,5 @@ def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.
         D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode,
         GATHER=gathers(kv_cache, p.paged), SCHED_ON_DEVICE=launch.host is None,
         num_warps=4,
+        **pdl.launch(q.device),
     )  # fmt: skip

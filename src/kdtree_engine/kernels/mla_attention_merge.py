@@ -22,8 +22,10 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels import mla_attention_schedule as schedule
 from kdtree_engine.kernels._align import aligned, stride_align
+from kdtree_engine.kernels._pdl import wait_then_release
 
 MERGE_SPLITS = 32  # the most pieces per round of loads on a GPU (a warp per 4 of them)
 
@@ -54,8 +56,9 @@ _SPLIT_RUNTIME = ["M", "num_splits", "stride_pb", "stride_ps", "stride_lb", "str
 @triton.jit(do_not_specialize=_SPLIT_RUNTIME)
 def _merge_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, M, num_splits, stride_pb, stride_ps, stride_lb,
                          stride_ls, D_C: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_S: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+                         BLOCK_S: tl.constexpr, ALIGN: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Program (r, b): rows r * BLOCK_R .. of request b; stride_pb and stride_ps multiples of ALIGN."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     stride_pb, stride_ps = aligned(stride_pb, ALIGN), aligned(stride_ps, ALIGN)
     pid, b = tl.program_id(0), tl.program_id(1)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -86,11 +89,13 @@ def _merge_splits_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, M, num_splits, st
 @triton.jit(do_not_specialize=["M", "B", "NT", "PER", "UNITS", "GROUPS"])
 def _merge_pieces_kernel(part_ptr, plse_ptr, out_ptr, lse_ptr, sched_ptr, NT, PER, UNITS, GROUPS, M, B,
                          D_C: tl.constexpr, BLOCK_DC: tl.constexpr, BM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_S: tl.constexpr, SCHED_ON_DEVICE: tl.constexpr):  # fmt: skip
+                         BLOCK_S: tl.constexpr, SCHED_ON_DEVICE: tl.constexpr,
+                         PDL: tl.constexpr = False):  # fmt: skip
     """Program (j, r): rows r * BLOCK_R .. of the j-th row block that may be cut. With fewer tiles per
     program than per row block (PER < NT) every row block is cut: j is the row block; otherwise a row
     block holds at most one program boundary: j is the boundary (program j's last unit), and cuts the
     block it falls inside. Row blocks are numbered plane by plane (mla_attention_schedule)."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     j = tl.program_id(0)
     nt, per, n_units, groups = NT, PER, UNITS, GROUPS  # the schedule from the host, or:
     if SCHED_ON_DEVICE:
@@ -150,6 +155,7 @@ def merge_splits(
         part, plse, out, lse, rows, splits, part.stride(0), part.stride(1), plse.stride(0), plse.stride(1),
         D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BLOCK_R=block_r, BLOCK_S=block_s,
         ALIGN=stride_align(part.element_size(), part.stride(0), part.stride(1)), num_warps=warps,
+        **pdl.launch(part.device),
     )  # fmt: skip
 
 
@@ -168,4 +174,5 @@ def merge_pieces(
         part, plse, out, lse, sched if on_device else plse, nt, per, units, groups, rows, out.shape[0],
         D_C=d_c, BLOCK_DC=triton.next_power_of_2(d_c), BM=block_m, BLOCK_R=block_r, BLOCK_S=block_s,
         SCHED_ON_DEVICE=on_device, num_warps=warps,
+        **pdl.launch(part.device),
     )  # fmt: skip

@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 MIN_TILES = 4  # a program's least share of a long request (its Q load and partial store amortized)
 ALIGN_SLACK = (11, 10)  # the aligned PER may be at most 11/10 of the flat one
@@ -112,9 +114,20 @@ def _balanced_per(units, tiles, programs):
 
 
 @triton.jit(do_not_specialize=["B", "MB", "SMS", "FORCED"])
-def _schedule_kernel(seqlens_ptr, sched_ptr, B, MB, SMS, FORCED, BN: tl.constexpr, BLOCK_B: tl.constexpr):
+def _schedule_kernel(
+    seqlens_ptr,
+    sched_ptr,
+    B,
+    MB,
+    SMS,
+    FORCED,
+    BN: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     """sched_ptr [5] int32 <- schedule(B, MB, cdiv(max seqlens, BN), SMS, FORCED) (tiles, per, units,
     programs, groups); one program, the same integer arithmetic as `schedule`."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     longest = B * 0
     for b0 in range(0, B, BLOCK_B):
         offs = b0 + tl.arange(0, BLOCK_B)
@@ -145,7 +158,9 @@ def device_schedule(seqlens: torch.Tensor, blocks: int, sms: int, tile: int, for
     sched = torch.empty(FIELDS, dtype=torch.int32, device=seqlens.device)
     b = seqlens.shape[0]
     block_b = min(triton.next_power_of_2(max(b, 1)), 1024)
-    _schedule_kernel[(1,)](seqlens, sched, b, blocks, sms, forced, BN=tile, BLOCK_B=block_b)
+    _schedule_kernel[(1,)](
+        seqlens, sched, b, blocks, sms, forced, BN=tile, BLOCK_B=block_b, **pdl.launch(seqlens.device)
+    )
     return sched
 
 

@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels._align import aligned, stride_align
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.kernels.mla_attention_args import MASK_BITS, MASK_CAUSAL, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_splits
 from kdtree_engine.ref.mla_attention import bits_to_visibility
@@ -211,10 +213,12 @@ def _split_kv_kernel(
     DOT_PREC: tl.constexpr,
     CHUNK: tl.constexpr,
     OUT_ALIGN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """CHUNK 0: each request's range cut into num_splits chunks sized from its length; CHUNK > 0: the
     row-invariant mode (module docstring), splits of CHUNK positions. stride_ob and stride_os are
     multiples of OUT_ALIGN."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     stride_ob, stride_os = aligned(stride_ob, OUT_ALIGN), aligned(stride_os, OUT_ALIGN)
     pid_m, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     INVARIANT: tl.constexpr = CHUNK > 0
@@ -433,4 +437,5 @@ def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.
         PAGED=p.paged, MASK_MODE=p.mask.mode, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         CHUNK=launch.chunk, OUT_ALIGN=stride_align(part.element_size(), sob, sos), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl.launch(q.device),
     )  # fmt: skip

@@ -15,14 +15,17 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 
 @triton.jit(do_not_specialize=["T", "stride_b", "stride_t", "stride_kb", "stride_ks"])
 def _latent_kernel(a_ptr, w_ptr, cos_ptr, sin_ptr, kv_ptr, start_ptr, T, stride_b, stride_t, stride_kb,
                    stride_ks, R, eps, BLOCK_R: tl.constexpr, HALF: tl.constexpr,
-                   INTERLEAVE: tl.constexpr):  # fmt: skip
+                   INTERLEAVE: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """kv_a [B, T, R + 2 HALF] (last dim contiguous), cos / sin [B * T, HALF] contiguous, kv [B, S, R + 2
     HALF] (last dim contiguous); program = token (b, i)."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     tok = tl.program_id(0)
     b = tok // T
     i = tok % T
@@ -76,4 +79,5 @@ def latent_write(
         kv_a.stride(1), kv_layer.stride(0), kv_layer.stride(1), d - 2 * half, eps,
         BLOCK_R=block, HALF=half, INTERLEAVE=interleave, num_warps=4 if block <= 2048 else 8,
         enable_fp_fusion=False,  # the rope rounds each product before the sum, as torch: no FMA contraction
+        **pdl.launch(kv_a.device),
     )  # fmt: skip

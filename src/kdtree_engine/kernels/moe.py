@@ -59,6 +59,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref.moe import Shared, check_moe_args, max_tiles, moe_experts_ref, shared_expert_ref
 
 __all__ = ["Blocks", "Launch", "launch_config", "max_tiles", "moe_experts", "sort_rows", "tile_map"]
@@ -145,11 +147,12 @@ def _counting_sort(ids_ptr, order_ptr, starts, NA, EP: tl.constexpr, ROWS: tl.co
 @triton.jit
 def _tile_map_kernel(ids_ptr, order_ptr, bounds_ptr, tile_expert_ptr, tile_row_ptr, NA, E, T,
                      EP: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_M: tl.constexpr):  # fmt: skip
+                     BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """One program. counts[e] = #(ids == e) over the NA assignments; bounds[e] = the first sorted row
     of expert e (bounds[E] = the assignments held here, NA without -1 ids); order by the counting sort;
     expert e's tiles are tile_start[e] + j, j < cdiv(counts[e], BLOCK_M), with first sorted row
     bounds[e] + j BLOCK_M; tiles from the total to T get expert E (idle) and row 0."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     ex = tl.arange(0, EP)
     counts = tl.zeros([EP], tl.int32)
     for c0 in range(0, NA, CHUNK):
@@ -201,10 +204,12 @@ def _tile(t, S, order_ptr, tile_expert_ptr, tile_row_ptr, bounds_ptr, N, NA, E, 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, ws_gate_ptr, ws_up_ptr, h_ptr, order_ptr, tile_expert_ptr, tile_row_ptr,
                     bounds_ptr, N, NA, H, I, IS, IH, TOPK, E, S, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    PDL: tl.constexpr = False):  # fmt: skip
     """Tile t, columns c0 .. c0 + BLOCK_N of the expert's I (Is for the shared one): h[rows, cols] =
     silu(x W_gate^T) * (x W_up^T), the products accumulated in float32 over H, h stored in x's dtype
     at the tile's valid h rows (row stride IH)."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     t = tl.program_id(0)
     e, valid, token, h_row, _ = _tile(t, S, order_ptr, tile_expert_ptr, tile_row_ptr, bounds_ptr, N, NA, E,
                                       TOPK, BLOCK_M)  # fmt: skip
@@ -240,10 +245,12 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_gate_ptr, ws_up_ptr, h_ptr, order_ptr, tile
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, ws_down_ptr, rw_ptr, y_ptr, order_ptr, tile_expert_ptr, tile_row_ptr,
                  bounds_ptr, N, NA, H, I, IS, IH, TOPK, E, S, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr = False):  # fmt: skip
     """Tile t, columns c0 .. c0 + BLOCK_N of H: y[y rows, cols] = weight * (h W_down^T), float32, the
     products accumulated over I (Is) in float32; weight: rw[a] (the routing weights [n k] float32) for
     a routed row, 1 for a shared one."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     t = tl.program_id(0)
     e, valid, _, h_row, y_row = _tile(t, S, order_ptr, tile_expert_ptr, tile_row_ptr, bounds_ptr, N, NA, E,
                                       TOPK, BLOCK_M)  # fmt: skip
@@ -272,10 +279,11 @@ def _down_kernel(h_ptr, w_ptr, ws_down_ptr, rw_ptr, y_ptr, order_ptr, tile_exper
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, out_ptr, NA, H, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                    BLOCK: tl.constexpr):  # fmt: skip
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Token row, columns c0 .. c0 + BLOCK of H: out = (sum over slots j = 0..k-1 of y[token k + j],
     the slots of id -1 left out) + y[NA + token] (the shared expert, when SHARED), float32 in that
     order, cast to out's dtype."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < H
@@ -305,7 +313,7 @@ def tile_map(
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     _tile_map_kernel[(1,)](flat, order, bounds, tile_expert, tile_row, n_assign, n_experts, n_tiles,
                            EP=triton.next_power_of_2(n_experts), CHUNK=MAP_CHUNK, ROWS=sort_rows(n_experts),
-                           BLOCK_M=block_m, num_warps=4)  # fmt: skip
+                           BLOCK_M=block_m, num_warps=4, **pdl.launch(flat.device))  # fmt: skip
     return order, bounds, tile_expert, tile_row
 
 
@@ -349,14 +357,17 @@ def moe_experts(
     _gate_up_kernel[(n_tiles, triton.cdiv(width, gate_up.block_n))](
         x, w_gate_up, ws_gate, ws_up, h, *tiling, **fixed, BLOCK_N=gate_up.block_n,
         BLOCK_K=gate_up.block_k, num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+        **pdl.launch(x.device),
     )  # fmt: skip
     _down_kernel[(n_tiles, triton.cdiv(hidden, down.block_n))](
         h, w_down, ws_down, weights.reshape(-1).contiguous(), y, *tiling, **fixed, BLOCK_N=down.block_n,
         BLOCK_K=down.block_k, num_warps=down.num_warps, num_stages=down.num_stages,
+        **pdl.launch(h.device),
     )  # fmt: skip
     out = torch.empty_like(x)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _combine_kernel[(n, triton.cdiv(hidden, block))](
-        y, ids.contiguous(), out, n_assign, hidden, TOPK=k, SHARED=shared is not None, BLOCK=block
-    )
+        y, ids.contiguous(), out, n_assign, hidden, TOPK=k, SHARED=shared is not None, BLOCK=block,
+        **pdl.launch(y.device),
+    )  # fmt: skip
     return out

@@ -57,6 +57,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 LOGIT_ROWS = 16  # token rows per matmul program (tl.dot's minimum)
 MIN_CHUNK = 32  # hidden columns per partial logit, at least
@@ -108,9 +110,10 @@ def _logits(ptr, offs, mask, S: tl.constexpr, part_stride):
 
 @triton.jit
 def _logits_kernel(x_ptr, w_ptr, part_ptr, N, H, E, stride_x, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """Program (row block, chunk s, expert block): part[s, rows, experts] = x[rows, chunk s] . W[experts,
     chunk s], float32 (x widened), tl.dot in IEEE float32 over the chunk in BLOCK_K steps."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     s = tl.program_id(1)
     experts = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -132,7 +135,8 @@ def _logits_kernel(x_ptr, w_ptr, part_ptr, N, H, E, stride_x, CHUNK: tl.constexp
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride, S: tl.constexpr, part_stride, scaling,
                   N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
                   TOP_K: tl.constexpr, NORM: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr,
-                  KP: tl.constexpr, INTERPRET: tl.constexpr):  # fmt: skip
+                  KP: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)
     valid = (g[:, None] < N_GROUP) & (tl.arange(0, SP)[None, :] < GROUP_SIZE)
@@ -210,6 +214,7 @@ def _route(parts: torch.Tensor, stride: int, n_experts: int, bias: torch.Tensor,
         N_GROUP=r.n_group, GROUP_SIZE=n_experts // r.n_group, TOPK_GROUP=r.topk_group, TOP_K=r.top_k,
         NORM=bool(r.norm_topk_prob), GP=gp, SP=sp, KP=triton.next_power_of_2(r.top_k),
         INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", num_warps=num_warps(gp * sp),
+        **pdl.launch(parts.device),
     )  # fmt: skip
     return weights, ids
 
@@ -270,7 +275,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(n, LOGIT_ROWS), n_parts, triton.cdiv(n_experts, launch.block_e))
     _logits_kernel[grid](x, weight.contiguous(), parts, n, hidden, n_experts, x.stride(0), CHUNK=launch.chunk,
                          BLOCK_M=LOGIT_ROWS, BLOCK_E=launch.block_e, BLOCK_K=launch.block_k,
-                         num_warps=launch.num_warps)  # fmt: skip
+                         num_warps=launch.num_warps, **pdl.launch(x.device))  # fmt: skip
     return parts
 
 

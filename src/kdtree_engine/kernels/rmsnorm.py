@@ -15,10 +15,15 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(
+    x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -32,7 +37,8 @@ def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_out, eps, BLOCK: 
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, D, stride_x, stride_d, eps,
-                        BLOCK: tl.constexpr):  # fmt: skip
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -71,6 +77,7 @@ def add_rmsnorm(
         _add_rmsnorm_kernel[(xr.shape[0],)](
             xr, dr, weight, total, out, d, xr.stride(0), dr.stride(0), eps, BLOCK=block,
             num_warps=_warps(block), enable_fp_fusion=False,
+            **pdl.launch(xr.device),
         )  # fmt: skip
     return total.view(x.shape), out.view(x.shape)
 
@@ -86,5 +93,6 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rmsnorm_kernel[(rows.shape[0],)](
             rows, weight, out, d, rows.stride(0), out.stride(0), eps, BLOCK=block, num_warps=warps,
             enable_fp_fusion=False,
+            **pdl.launch(rows.device),
         )  # fmt: skip
     return out.view(x.shape)

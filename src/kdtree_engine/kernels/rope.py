@@ -10,13 +10,17 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 
 @triton.jit(do_not_specialize=["T", "sx_b", "sx_t", "sx_h", "so_b", "so_t", "so_h"])
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, T, sx_b, sx_t, sx_h, so_b, so_t, so_h,
-                 HALF: tl.constexpr, HEADS: tl.constexpr, INTERLEAVE: tl.constexpr):  # fmt: skip
+                 HALF: tl.constexpr, HEADS: tl.constexpr, INTERLEAVE: tl.constexpr,
+                 PDL: tl.constexpr = False):  # fmt: skip
     """Program = one token (b, i) (all its heads): x / out [B, T, heads, 2 * HALF] (strides given, the
     last dim contiguous), cos/sin [B * T, HALF] contiguous."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     tok = tl.program_id(0)
     b, i = tok // T, tok % T
     h = tl.arange(0, HEADS)[:, None]
@@ -67,5 +71,6 @@ def apply_rope(
             src, cos.contiguous(), sin.contiguous(), out, heads, t, *_strides(src), *_strides(out),
             HALF=d // 2, HEADS=triton.next_power_of_2(heads), INTERLEAVE=interleave,
             enable_fp_fusion=False,  # torch rounds each product before the sum: no FMA contraction
+            **pdl.launch(src.device),
         )  # fmt: skip
     return out
