@@ -20,6 +20,8 @@
 # shape's grid with the mode and without it.
 # "small-forward" profiles the 2.5B shape's decode and verify forwards, times the router matmul's launch
 # shapes and our projection GEMM against cuBLAS, then bench e2e on that shape at batch 1 (issue 27).
+# "pdl" runs the GPU tests of the kernels launched with programmatic dependent launch, the model's and the
+# engine's, then scripts/probe_pdl.py and the 2.5B forward's profiles with PDL and without (issue 27).
 # "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
@@ -189,6 +191,28 @@ if [ "$what" = small-forward ]; then
     | tail -30 || status=1
   timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target small --batch 1 --temperatures 0 \
     --budgets 32 64 --out "$R/small_b1" 2>&1 | tee "$R/bench_small_b1.log" | tail -30 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = pdl ]; then
+  # issue 27: programmatic dependent launch (kernels/_pdl.py). The GPU tests of every kernel it touches, the
+  # model's and the engine's (PDL on, as by default), then the chain probe and the 2.5B forward's profiles
+  # with PDL and without it (KDTREE_PDL=0)
+  timeout "${T_KT:-200}" python3 -m pytest -q -m gpu tests/kernels/test_rmsnorm_rope.py tests/kernels/test_moe.py \
+    tests/kernels/test_moe_router.py tests/kernels/test_mla_layer_latent.py tests/kernels/test_mla_attention_merge.py \
+    tests/kernels/test_mla_attention_schedule.py tests/kernels/test_moe_shared.py tests/kernels/test_moe_tile_map.py \
+    tests/kernels/test_mla_attention.py tests/model -p no:cacheprovider "${xdist[@]}" -rs 2>&1 \
+    | tee "$R/pdl_kernel_tests.log" | tail -8 || status=1
+  timeout "${T_ENG:-150}" python3 -m pytest -q -m gpu tests/engine --ignore tests/engine/test_gpu_row_invariance.py \
+    -p no:cacheprovider -rs 2>&1 | tee "$R/pdl_engine_tests.log" | tail -5 || status=1
+  timeout "${T_PDL:-60}" python3 scripts/probe_pdl.py 2>&1 | tee "$R/probe_pdl.log" | tail -12 || status=1
+  for n in 1 33; do
+    timeout "${T_PROF:-60}" python3 scripts/profile_decode.py --batch 1 --nodes "$n" --graph --rows 16 \
+      >"$R/profile_pdl_n$n.log" 2>&1 || status=1
+    KDTREE_PDL=0 timeout "${T_PROF:-60}" python3 scripts/profile_decode.py --batch 1 --nodes "$n" --graph --rows 16 \
+      >"$R/profile_plain_n$n.log" 2>&1 || status=1
+  done
+  grep -H "graph replay" "$R"/profile_*.log
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
