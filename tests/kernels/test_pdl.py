@@ -1,8 +1,9 @@
 """Programmatic dependent launch (kernels/_pdl.py): when it is on, and that every kernel of a forward
-launched with it waits for its predecessor before its first memory access, compiled for sm_90 exactly as
-the package launches them (launch_compile.py: the shipped kimi-nano target's forward at a decode step
-and a 33-node verify, and an attention plan on pages of 1; the Hopper kernel's own compile test covers
-the Gluon kernel). The overlap itself is timed on the GPU by scripts/probe_pdl.py."""
+and a draft launched with it waits for its predecessor before its first memory access, compiled for
+sm_90 exactly as the package launches them (launch_compile.py: the shipped kimi-nano target's forward at
+a decode step and a 33-node verify, its drafter's draft, and an attention plan on pages of 1; the Hopper
+kernel's own compile test covers the Gluon kernel; the tree kernels' PDL launches are exercised by their
+GPU tests). The overlap itself is timed on the GPU by scripts/probe_pdl.py."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from tests.kernels.launch_compile import run_launch_script
 from kdtree_engine.kernels import _pdl
 
 BODY = r"""
-from kdtree_engine.assets import KIMI_NANO
+from kdtree_engine.assets import KIMI_NANO, KIMI_NANO_DFLASH
 from kdtree_engine.attention import plan_attention
-from kdtree_engine.bench.forward_cost import forward_call
+from kdtree_engine.bench.forward_cost import draft_call, forward_call
+from kdtree_engine.drafter import load_drafter
 from kdtree_engine.kernels import _pdl
 from kdtree_engine.model.loader import load_model
 
@@ -32,6 +34,7 @@ with torch.no_grad():
     nano = aligned(load_model(KIMI_NANO, dtype=torch.bfloat16))
     for t in (1, 33):
         forward_call(nano, 2, t, 256, "triton")()
+    draft_call(aligned(load_drafter(KIMI_NANO_DFLASH, dtype=torch.bfloat16)), nano, 2, 256, "triton")[1]()
     q = torch.zeros(2, 9, 8, 576, dtype=torch.bfloat16)
     kv = torch.zeros(2 * 4096, 1, 576, dtype=torch.bfloat16)
     table = torch.arange(2 * 4096, dtype=torch.int32).view(2, -1)
@@ -44,10 +47,12 @@ for name, kernel, constants in _COMPILED:
 print(json.dumps(found))
 """
 
-# every Triton kernel a kimi-nano forward and an attention plan launch (none of the torch / cuBLAS ones)
+# every Triton kernel a kimi-nano forward, its draft and an attention plan launch (none of the torch /
+# cuBLAS ones)
 FORWARD_KERNELS = {"_rmsnorm_kernel", "_add_rmsnorm_kernel", "_logits_kernel", "_route_kernel",
                    "_tile_map_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel", "_latent_kernel",
-                   "_rope_kernel", "_split_kv_kernel", "_merge_splits_kernel"}  # fmt: skip
+                   "_rope_kernel", "_split_kv_kernel", "_merge_splits_kernel", "_drafter_attention_kernel",
+                   "_block_kernel", "_context_kernel", "_silu_mul_kernel"}  # fmt: skip
 
 
 def test_enabled_only_on_compiled_sm90_launches(monkeypatch):

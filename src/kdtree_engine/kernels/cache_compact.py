@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 
 @triton.jit
@@ -34,7 +36,9 @@ def _compact_kernel(
     keep_sb,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0)
     layer = tl.program_id(1)
     block = tl.program_id(2)
@@ -72,4 +76,5 @@ def compact_rows(kv: torch.Tensor, seqlens: torch.Tensor, start: torch.Tensor, k
         kv, seqlens, start.contiguous(), keep, keep_len.contiguous(), k, d, max_len,
         kv.stride(0), kv.stride(1), kv.stride(2), keep.stride(0),
         BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
+        **pdl.launch(kv.device),
     )  # fmt: skip

@@ -27,8 +27,10 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels._align import aligned, stride_align
 from kdtree_engine.kernels._device import device_multiprocessors
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.kernels.mla_attention_merge import merge_splits
 
 BLOCK_N = 64
@@ -61,12 +63,13 @@ def _drafter_attention_kernel(
     stride_bb, stride_bt, stride_bh, stride_ob, stride_ot, stride_oh,
     REP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, ALIGN: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """q / out [B, T, h, D], cache k / v [B, S, g, D] (same strides), block k / v [B, T, g, D] (same
     strides); last dims contiguous; the batch strides multiples of ALIGN. Program (b, kv head, split).
     SPLIT: num_splits > 1, the partials go to part [B, num_splits, T * h, D] and plse [B, num_splits,
     T * h] (float32, contiguous) instead of out."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     stride_qb, stride_cb = aligned(stride_qb, ALIGN), aligned(stride_cb, ALIGN)
     stride_bb, stride_ob = aligned(stride_bb, ALIGN), aligned(stride_ob, ALIGN)
     b = tl.program_id(0).to(tl.int64)
@@ -157,6 +160,7 @@ def drafter_attention(
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2), out.stride(0), out.stride(1), out.stride(2),
         ALIGN=stride_align(q.element_size(), q.stride(0), cache_k.stride(0), k_blk.stride(0), out.stride(0)),
         SPLIT=num_splits > 1, **launch_constants(t, h, g, d, q.dtype),
+        **pdl.launch(q.device),
     )  # fmt: skip
     if num_splits > 1:
         lse = torch.empty(b, t * h, dtype=torch.float32, device=q.device)

@@ -8,13 +8,18 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 BLOCK = 1024
 
 
 @triton.jit(do_not_specialize=["stride_in", "stride_out"])
-def _silu_mul_kernel(in_ptr, out_ptr, inter, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    in_ptr, out_ptr, inter, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
     """Program (row, column block): out[row, cols] = silu(in[row, cols]) * in[row, inter + cols]."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
@@ -31,5 +36,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if m:
         block = min(BLOCK, triton.next_power_of_2(inter))
         grid = (m, triton.cdiv(inter, block))
-        _silu_mul_kernel[grid](gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block)
+        _silu_mul_kernel[grid](
+            gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, **pdl.launch(gate_up.device)
+        )
     return out

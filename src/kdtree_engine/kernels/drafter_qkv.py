@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 
 
 @triton.jit
@@ -49,8 +51,9 @@ def _norm_rope(src, dst, heads, stride_h, w_ptr, cos, sin, eps, j, j_ok, HALF: t
 @triton.jit(do_not_specialize=["T", "stride_b", "stride_t"])
 def _block_kernel(qkv_ptr, qw_ptr, kw_ptr, start_ptr, inv_ptr, T, stride_b, stride_t, stride_h, eps,
                   H: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                  H_P: tl.constexpr, G_P: tl.constexpr):  # fmt: skip
+                  H_P: tl.constexpr, G_P: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """qkv [B, T, H + 2G, 2 * HALF]; program = block row (b, t)."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     pid = tl.program_id(0)
     b, t = pid // T, pid % T
     j = tl.arange(0, HALF_P)[None, :]
@@ -66,9 +69,10 @@ def _block_kernel(qkv_ptr, qw_ptr, kw_ptr, start_ptr, inv_ptr, T, stride_b, stri
 def _context_kernel(qkv_ptr, kw_ptr, seq_ptr, inv_ptr, ck_ptr, cv_ptr, C, stride_b, stride_c, stride_l,
                     stride_h, stride_wl, stride_kl, stride_kb, stride_ks, stride_kh, max_slot, eps,
                     H: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-                    G_P: tl.constexpr):  # fmt: skip
+                    G_P: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """qkv [B, C, n, H + 2G, 2 * HALF]; caches [n, B, S, G, 2 * HALF] (same strides); program =
     (context row (b, c), layer)."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     pid, layer = tl.program_id(0), tl.program_id(1)
     b, c = pid // C, pid % C
     j = tl.arange(0, HALF_P)[None, :]
@@ -109,6 +113,7 @@ def block_qkv(
         _block_kernel[(b * t,)](
             qkv, q_weight, k_weight, start, inv_freq, t, qkv.stride(0), qkv.stride(1), qkv.stride(2), eps,
             H=heads, G=g, HALF=d // 2, HALF_P=_pow2(d // 2), H_P=_pow2(heads), G_P=_pow2(g),
+            **pdl.launch(qkv.device),
         )  # fmt: skip
     return qkv[:, :, :heads], qkv[:, :, heads : heads + g], qkv[:, :, heads + g :]
 
@@ -136,4 +141,5 @@ def context_kv_write(
             qkv.stride(2), qkv.stride(3), k_weight.stride(0), cache_k.stride(0), cache_k.stride(1),
             cache_k.stride(2), cache_k.stride(3), cache_k.shape[2] - 1, eps,
             H=heads, G=g, HALF=d // 2, HALF_P=_pow2(d // 2), G_P=_pow2(g),
+            **pdl.launch(qkv.device),
         )  # fmt: skip

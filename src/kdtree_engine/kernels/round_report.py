@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.tree_types import DraftTree
 
 
@@ -58,7 +60,9 @@ def _report_kernel(
     L_PAD: tl.constexpr,
     W_PAD: tl.constexpr,
     NB_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, N_PAD)
     node = i < n
@@ -127,5 +131,6 @@ def round_report(
         *visibility.stride(), *accepted.stride(), out.stride(0),
         N_PAD=_pow2(n), K_PAD=_pow2(k), L_PAD=_pow2(depth), W_PAD=_pow2(width - 1), NB_PAD=_pow2(nb),
         num_warps=4,
+        **pdl.launch(top_logprobs.device),
     )  # fmt: skip
     return out

@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.tree_types import AcceptResult, DraftTree
 
 
@@ -49,7 +51,9 @@ def _walk_kernel(
     SIZE_PLUS: tl.constexpr,
     LARGEST: tl.constexpr,
     WITH_TOKENS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, QP)
     size = tl.minimum(tl.maximum(tl.load(size_ptr + b).to(tl.int32) + SIZE_PLUS, 1), q)
@@ -141,6 +145,7 @@ def walk(
         LARGEST=largest,
         WITH_TOKENS=with_tokens,
         num_warps=4 if qp >= 512 else 1,
+        **pdl.launch(tokens.device),
     )
 
 

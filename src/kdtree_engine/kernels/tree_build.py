@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref.tree import MAX_BUDGET  # the bound is this kernel's: 15/16-bit lanes, CAP in registers
 from kdtree_engine.tree_types import DraftTree
 
@@ -47,8 +49,10 @@ def _build_kernel(
     CAP: tl.constexpr,
     LP2: tl.constexpr,
     PAD: tl.constexpr,  # token and depth of unused slots: -1 (DraftTree) or 0 (SGLang's layout)
-    COUNT_ROOT: tl.constexpr,  # cnt_ptr gets the node count plus 1 (the root) when 1
+    COUNT_ROOT: tl.constexpr,
+    PDL: tl.constexpr = False,  # cnt_ptr gets the node count plus 1 (the root) when 1
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     lp_row = lp_ptr + b * L * K
     slots = tl.arange(0, CAP)
@@ -191,4 +195,5 @@ def build_into(
         PAD=pad,
         COUNT_ROOT=int(count_root),
         num_warps=min(16, max(1, cap // 128)),
+        **pdl.launch(top_logprobs.device),
     )

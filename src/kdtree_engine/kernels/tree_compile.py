@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.kernels.tree_visibility import ancestor_rows
 from kdtree_engine.tree_types import DraftTree, VerifyInputs
 
@@ -35,7 +37,9 @@ def _compile_kernel(
     WITH_BITS: tl.constexpr,
     RB: tl.constexpr,
     NP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * RB + tl.arange(0, RB)  # node i
     cols = tl.arange(0, NP)  # node j
@@ -103,6 +107,7 @@ def compile_tree(tree: DraftTree, root_tokens: torch.Tensor, start_positions: to
             RB=rb,
             NP=np2,
             num_warps=4,
+            **pdl.launch(tree.tokens.device),
         )
     return VerifyInputs(
         input_ids=out["ids"],

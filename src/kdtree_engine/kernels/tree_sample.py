@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref import sampling as ref
 
 _Q = tl.constexpr(ref.Q)
@@ -40,7 +42,18 @@ def _keep_best(score, offs, V, best, best_id):
 
 
 @triton.jit
-def _sample_kernel(x_ptr, g_ptr, cut_ptr, out_ptr, V, temperature, BLOCK: tl.constexpr, NT: tl.constexpr):
+def _sample_kernel(
+    x_ptr,
+    g_ptr,
+    cut_ptr,
+    out_ptr,
+    V,
+    temperature,
+    BLOCK: tl.constexpr,
+    NT: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cut = tl.load(cut_ptr + row)
     best = tl.full([], float("-inf"), tl.float32)
@@ -113,7 +126,9 @@ def _sample_seeded_kernel(
     BLOCK: tl.constexpr,
     NT: tl.constexpr,
     KEYS_IN_MEMORY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     if KEYS_IN_MEMORY:  # the stream keys of this draw, written by the device (a replayed graph)
         p0 = tl.load(keys_ptr)
@@ -164,7 +179,14 @@ def sample_tokens(
     meta = dict(BLOCK=block, NT=triton.cdiv(vocab, block), num_warps=8)
     if not seeded:
         _sample_kernel[(b * n,)](
-            logits.contiguous(), noise.contiguous(), cutoffs.contiguous(), out, vocab, temperature, **meta
+            logits.contiguous(),
+            noise.contiguous(),
+            cutoffs.contiguous(),
+            out,
+            vocab,
+            temperature,
+            **meta,
+            **pdl.launch(logits.device),
         )
         return out
     if isinstance(noise, torch.Tensor):  # stream keys [2] int32 on the device
@@ -187,5 +209,6 @@ def sample_tokens(
         keys,
         KEYS_IN_MEMORY=isinstance(noise, torch.Tensor),
         **meta,
+        **pdl.launch(logits.device),
     )
     return out

@@ -39,7 +39,9 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels._device import multiprocessors
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref import tree as ref
 
 LOW32 = tl.constexpr(0xFFFFFFFF)
@@ -129,10 +131,12 @@ def _ordered32(x):
 
 @triton.jit
 def _partials_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, V, NG, NS, NB, CH: tl.constexpr,
-                     G: tl.constexpr, S: tl.constexpr, EMULATE: tl.constexpr):  # fmt: skip
+                     G: tl.constexpr, S: tl.constexpr, EMULATE: tl.constexpr,
+                     PDL: tl.constexpr = False):  # fmt: skip
     """Block c of a row (CH logits, a [CH // G, G] tile: 16-byte loads for bf16 when V is a multiple of
     8): the max of every group of G and super group of S logits (S a multiple of G dividing CH), the
     block max and the block's fixed-point sum of exp(x - max) (ref.tree.log_normalizer)."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * CH + tl.arange(0, CH // G)[:, None] * G + tl.arange(0, G)[None, :]
@@ -301,7 +305,7 @@ def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, key
                    NBP: tl.constexpr, MAXG: tl.constexpr, GW: tl.constexpr, KP: tl.constexpr,
                    KC: tl.constexpr, KS: tl.constexpr, TG: tl.constexpr, TGM: tl.constexpr, HT: tl.constexpr,
                    SHIFT: tl.constexpr, NPASS: tl.constexpr, DB: tl.constexpr,
-                   EMULATE: tl.constexpr, RAW: tl.constexpr):  # fmt: skip
+                   EMULATE: tl.constexpr, RAW: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     """The select of one row, after _partials_kernel. T0 = the k-th largest super-group max is a lower
     bound of the k-th largest logit (the k best super groups each hold a logit >= T0), found by
     bisection over NS values on keys shifted right by SHIFT (the low float32 bits that bf16 / fp16
@@ -311,6 +315,7 @@ def _select_kernel(x_ptr, gmax_ptr, smax_ptr, bmax_ptr, bsum_ptr, glist_ptr, key
     (ties, or top logits crowded into few groups) -> _exact_select, whose work does not depend on V
     (RS = groups per super group). Scratch: glist [R, GW] int32, keys [R, KS] int64. RAW: write the
     logits themselves (no normalizer), for a vocabulary shard whose normalizer is combined later."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row = tl.program_id(0).to(tl.int64)
     if RAW:
         lse = 0.0
@@ -450,7 +455,8 @@ def _topk_plan(logits: torch.Tensor, k: int, *, block: int = ref.NORM_BLOCK, gro
     # contraction off: the normalizer's separate multiplies and adds round one by one, as the reference's
     partials = partial(_partials_kernel[(rows, n_blocks)], *head, vocab, n_groups, n_sup, n_blocks, CH=chunk,
                        G=group, S=sup, EMULATE=interpreting, num_warps=partial_warps,
-                       enable_fp_fusion=False)  # fmt: skip
+                       enable_fp_fusion=False, **pdl.launch(dev))  # fmt: skip
     select = partial(_select_kernel[(rows,)], *head, glist, keys, lp, ids, vocab, n_groups, n_sup, n_blocks,
-                     k, **sizes, RAW=raw, num_warps=select_warps, enable_fp_fusion=False)  # fmt: skip
+                     k, **sizes, RAW=raw, num_warps=select_warps, enable_fp_fusion=False,
+                     **pdl.launch(dev))  # fmt: skip
     return lp, ids, (partials, select), bmax, bsum

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
+
 
 @triton.jit
 def ancestor_rows(par_row, rows, real, cols, L: tl.constexpr):
@@ -36,7 +39,9 @@ def _visibility_kernel(
     L: tl.constexpr,
     RB: tl.constexpr,
     NP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * RB + tl.arange(0, RB)
     cols = tl.arange(0, NP)
@@ -57,5 +62,15 @@ def write_visibility(parents: torch.Tensor, sizes: torch.Tensor, out: torch.Tens
     np2 = triton.next_power_of_2(n)
     rb = max(1, min(np2, 4096 // np2))
     _visibility_kernel[(b, triton.cdiv(n, rb))](
-        parents, sizes, view, n, parents.stride(0), *view.stride(), L=depth_limit, RB=rb, NP=np2, num_warps=4
+        parents,
+        sizes,
+        view,
+        n,
+        parents.stride(0),
+        *view.stride(),
+        L=depth_limit,
+        RB=rb,
+        NP=np2,
+        num_warps=4,
+        **pdl.launch(parents.device),
     )
