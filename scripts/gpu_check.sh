@@ -197,7 +197,7 @@ fi
 if [ "$what" = pdl ]; then
   # issue 27: programmatic dependent launch (kernels/_pdl.py). The GPU tests of every kernel it touches, the
   # model's and the engine's (PDL on, as by default), then the chain probe and the 2.5B forward's profiles
-  # with PDL and without it (KDTREE_PDL=0)
+  # with PDL and without it (KDTREE_ENGINE_PDL=0)
   timeout "${T_KT:-200}" python3 -m pytest -q -m gpu tests/kernels/test_rmsnorm_rope.py tests/kernels/test_moe.py \
     tests/kernels/test_moe_router.py tests/kernels/test_mla_layer_latent.py tests/kernels/test_mla_attention_merge.py \
     tests/kernels/test_mla_attention_schedule.py tests/kernels/test_moe_shared.py tests/kernels/test_moe_tile_map.py \
@@ -209,7 +209,7 @@ if [ "$what" = pdl ]; then
   for n in 1 33; do
     timeout "${T_PROF:-60}" python3 scripts/profile_decode.py --batch 1 --nodes "$n" --graph --rows 16 \
       >"$R/profile_pdl_n$n.log" 2>&1 || status=1
-    KDTREE_PDL=0 timeout "${T_PROF:-60}" python3 scripts/profile_decode.py --batch 1 --nodes "$n" --graph --rows 16 \
+    KDTREE_ENGINE_PDL=0 timeout "${T_PROF:-60}" python3 scripts/profile_decode.py --batch 1 --nodes "$n" --graph --rows 16 \
       >"$R/profile_plain_n$n.log" 2>&1 || status=1
   done
   grep -H "graph replay" "$R"/profile_*.log

@@ -7,6 +7,9 @@ GPU tests). The overlap itself is timed on the GPU by scripts/probe_pdl.py."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 from tests.kernels.launch_compile import run_launch_script
@@ -60,9 +63,9 @@ def test_enabled_only_on_compiled_sm90_launches(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not _pdl.enabled(torch.device("cuda", 0))
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("KDTREE_PDL", "0")
+    monkeypatch.setenv("KDTREE_ENGINE_PDL", "0")
     assert not _pdl.enabled(torch.device("cuda", 0)) and _pdl.launch(torch.device("cuda", 0)) == {}
-    monkeypatch.setenv("KDTREE_PDL", "1")
+    monkeypatch.setenv("KDTREE_ENGINE_PDL", "1")
     monkeypatch.setattr(_pdl, "_capable", lambda index: index == 3)
     assert _pdl.launch(torch.device("cuda", 3)) == {"PDL": True, "launch_pdl": True}
     assert not _pdl.enabled(torch.device("cuda", 2))
@@ -79,3 +82,69 @@ def test_every_forward_kernel_waits_before_touching_memory(compiled):
         for r in reports:
             assert r["pdl"] is True and r["PDL"] is True, (name, r)
             assert r["before_wait"] == 0, f"{name}: {r['before_wait']} memory accesses before the wait"
+
+
+KERNELS_DIR = Path(_pdl.__file__).parent
+# the modules whose kernels launch with PDL: the forward's, the drafter's and the engine round's (the
+# SGLang backend's own kernels stay plain: their predecessors are SGLang's launches)
+PDL_MODULES = {"rmsnorm", "moe", "moe_router", "mla_latent", "rope", "mla_attention_hopper",
+               "mla_attention_triton", "mla_attention_merge", "mla_attention_schedule", "drafter_attention",
+               "drafter_mlp", "drafter_qkv", "tree_topk", "tree_build", "tree_compile", "tree_accept",
+               "tree_sample", "tree_visibility", "cache_compact", "round_report"}  # fmt: skip
+
+
+def _pdl_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {
+        f.name: f
+        for f in tree.body
+        if isinstance(f, ast.FunctionDef) and any(a.arg == "PDL" for a in f.args.args)
+    }
+
+
+def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
+    body = fn.body
+    doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    return body[1] if doc else body[0]
+
+
+def _launches(tree: ast.Module, names: set[str]):
+    """(kernel name, launch Call) for kernel[grid](...) and partial(kernel[grid], ...)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        target = node.func if isinstance(node.func, ast.Subscript) else (node.args[0] if node.args else None)
+        if (
+            isinstance(target, ast.Subscript)
+            and isinstance(target.value, ast.Name)
+            and target.value.id in names
+        ):
+            yield target.value.id, node
+
+
+def test_every_pdl_kernel_waits_first_and_every_launch_asks_for_pdl():
+    """In the source: each kernel that takes PDL calls (gluon_)wait_then_release(PDL) as its first
+    statement, and each of its launches passes **pdl.launch(...), so PDL is on wherever it may be."""
+    found = set()
+    for path in sorted(KERNELS_DIR.glob("*.py")):
+        if path.stem == "_pdl":
+            continue
+        tree = ast.parse(path.read_text())
+        kernels = _pdl_kernels(tree)
+        if not kernels:
+            continue
+        found.add(path.stem)
+        for name, fn in kernels.items():
+            first = _first_statement(fn)
+            call = first.value if isinstance(first, ast.Expr) else None
+            assert isinstance(call, ast.Call) and getattr(call.func, "id", "") in (
+                "wait_then_release", "gluon_wait_then_release") and [a.id for a in call.args] == ["PDL"], (
+                f"{path.name}: {name} does not wait first")  # fmt: skip
+        launched = set()
+        for name, call in _launches(tree, set(kernels)):
+            launched.add(name)
+            extra = [k.value for k in call.keywords if k.arg is None]
+            assert any(ast.unparse(v).startswith("pdl.launch(") for v in extra), (
+                f"{path.name}: a {name} launch"
+            )
+        assert launched == set(kernels), f"{path.name}: {set(kernels) - launched} never launched here"
+    assert found == PDL_MODULES, found ^ PDL_MODULES

@@ -11,7 +11,7 @@ launch and block start-up with the primary's tail. A kernel launched without PDL
 waits for its predecessor as usual. Captured CUDA graphs keep the programmatic edges.
 
 PDL needs compute capability 9.0 or more; under the Triton interpreter, on the CPU, on older GPUs or with
-KDTREE_PDL=0 in the environment the launches are plain (and the wait compiled out).
+KDTREE_ENGINE_PDL=0 in the environment the launches are plain (and the wait compiled out).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ def _capable(device_index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether launches on `device` use PDL (a CUDA GPU of compute capability >= 9.0, compiled kernels,
-    KDTREE_PDL not "0")."""
+    KDTREE_ENGINE_PDL not "0")."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get("KDTREE_PDL", "1") == "0":
+    if os.environ.get("KDTREE_ENGINE_PDL", "1") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
