@@ -10,8 +10,10 @@ and write-after-read between launches keeps the order of a plain stream; what ov
 launch and block start-up with the primary's tail. A kernel launched without PDL (cuBLAS, torch's own)
 waits for its predecessor as usual. Captured CUDA graphs keep the programmatic edges.
 
-PDL needs compute capability 9.0 or more; under the Triton interpreter, on the CPU, on older GPUs or with
-KDTREE_ENGINE_PDL=0 in the environment the launches are plain (and the wait compiled out).
+PDL needs compute capability 9.0 or more and a Triton with grid dependency control (3.3 or later); under
+the Triton interpreter, on the CPU, on older GPUs or Tritons, or with KDTREE_ENGINE_PDL=0 in the
+environment the launches are plain (and the wait compiled out). The Gluon kernel's twin of
+wait_then_release lives with it (mla_attention_hopper.py).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: no PDL (the kernels' PDL branch is never compiled)
+    gdc_launch_dependents = gdc_wait = None
 
 
 @functools.lru_cache(maxsize=16)
@@ -37,7 +41,7 @@ def enabled(device: torch.device) -> bool:
     KDTREE_ENGINE_PDL not "0")."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get("KDTREE_ENGINE_PDL", "1") == "0":
+    if os.environ.get("KDTREE_ENGINE_PDL", "1") == "0" or gdc_wait is None:
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
@@ -54,13 +58,3 @@ def wait_then_release(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@gluon.jit
-def gluon_wait_then_release(PDL: gl.constexpr):
-    """wait_then_release for Gluon kernels (the same two PTX instructions)."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip

@@ -45,7 +45,6 @@ from triton.language.core import _aggregate as aggregate
 from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels import mla_attention_schedule as schedule
 from kdtree_engine.kernels._device import device_multiprocessors
-from kdtree_engine.kernels._pdl import gluon_wait_then_release
 from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_pieces
 from kdtree_engine.kernels.mla_attention_schedule import Schedule
@@ -507,6 +506,16 @@ def _wg1(job, sm, cst):
         gl.thread_barrier()
         mbarrier.arrive(sm.l_empty)
         _store_block(job, acc, l_i, l_i, b, blk, rb, v_lo, v_hi, HALF, D_C, o_layout, o_layout, False)
+
+
+@gluon.jit
+def gluon_wait_then_release(PDL: gl.constexpr):
+    """kernels/_pdl.wait_then_release for this Gluon kernel: the same two PTX instructions, first thing."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
 
 
 @gluon.jit
