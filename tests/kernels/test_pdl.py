@@ -94,11 +94,9 @@ PDL_MODULES = {"rmsnorm", "moe", "moe_router", "mla_latent", "rope", "mla_attent
 
 
 def _pdl_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:
-    return {
-        f.name: f
-        for f in tree.body
-        if isinstance(f, ast.FunctionDef) and any(a.arg == "PDL" for a in f.args.args)
-    }
+    """The kernels (not the jit helpers) of a module that take PDL."""
+    return {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.endswith("kernel")
+            and any(a.arg == "PDL" for a in f.args.args)}  # fmt: skip
 
 
 def _first_statement(fn: ast.FunctionDef) -> ast.stmt:
