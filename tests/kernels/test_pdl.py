@@ -85,12 +85,13 @@ def test_every_forward_kernel_waits_before_touching_memory(compiled):
 
 
 KERNELS_DIR = Path(_pdl.__file__).parent
-# the modules whose kernels launch with PDL: the forward's, the drafter's and the engine round's (the
-# SGLang backend's own kernels stay plain: their predecessors are SGLang's launches)
+# the modules whose kernels launch with PDL: every module of ours with a kernel launched in a forward, a
+# draft, an engine round or the SGLang integration's steps
 PDL_MODULES = {"rmsnorm", "moe", "moe_router", "mla_latent", "rope", "mla_attention_hopper",
                "mla_attention_triton", "mla_attention_merge", "mla_attention_schedule", "drafter_attention",
                "drafter_mlp", "drafter_qkv", "tree_topk", "tree_build", "tree_compile", "tree_accept",
-               "tree_sample", "tree_visibility", "cache_compact", "round_report"}  # fmt: skip
+               "tree_sample", "tree_visibility", "cache_compact", "round_report", "sglang_attention",
+               "sglang_sample", "sglang_verify", "linear"}  # fmt: skip
 
 
 def _pdl_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:

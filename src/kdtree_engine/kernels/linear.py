@@ -34,7 +34,9 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels._align import aligned, stride_align
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref.linear import check_linear_args, linear_ref
 
 BLOCK_M = 16
@@ -62,10 +64,12 @@ def launch_config(n: int, k: int, itemsize: int) -> Launch:
 @triton.jit(do_not_specialize=["M", "stride_xb", "stride_xm", "stride_yb", "stride_ym"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xb, stride_xm, stride_wb, stride_wn, stride_wk,
                    stride_yb, stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr):  # fmt: skip
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ALIGN: tl.constexpr,
+                   PDL: tl.constexpr = False):  # fmt: skip
     """Program (row tile, column block, batch): y[batch, rows, cols] = x[batch, rows] W[batch, cols]^T
     (+ b[cols]), accumulated in float32 over K in BLOCK_K steps, rounded once. x and y have unit stride
     along K and N, their row and batch strides multiples of ALIGN; W any strides."""
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     stride_xb, stride_xm = aligned(stride_xb, ALIGN), aligned(stride_xm, ALIGN)
     stride_yb, stride_ym = aligned(stride_yb, ALIGN), aligned(stride_ym, ALIGN)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,6 +108,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
         HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PRECISION="ieee", ALIGN=stride_align(x.element_size(), *read), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl.launch(x.device),
     )  # fmt: skip
 
 

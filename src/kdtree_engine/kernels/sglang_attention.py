@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref.sglang_attention import MAX_BITS
 
 BLOCK_COLS = 1024  # table columns a program copies
@@ -38,7 +40,9 @@ def _metadata_kernel(
     HAS_TREE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0)
     chunk = tl.program_id(1)
     seqlen = (tl.load(seq_lens_ptr + b) + T).to(tl.int32)
@@ -91,4 +95,5 @@ def verify_metadata(
         page, req_to_token.stride(0), table.stride(0), stride_vb, stride_vi,
         HAS_TREE=tree, BLOCK_C=block_c,
         BLOCK_T=triton.next_power_of_2(max(t, 1)), num_warps=4,
+        **pdl.launch(seq_lens.device),
     )  # fmt: skip

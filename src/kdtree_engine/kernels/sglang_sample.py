@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref import sglang_sample as ref
 
 _SCALE = tl.constexpr(float(1 << ref.FRAC_BITS))
@@ -59,7 +61,9 @@ def _walk_kernel(
     Q: tl.constexpr,
     QP: tl.constexpr,
     HAS_SIZES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, QP)
     in_q = slot < Q
@@ -137,7 +141,9 @@ def _block_sum_kernel(
     Q: tl.constexpr,
     QP: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1).to(tl.int64)
     lo = blk * BLOCK_V
@@ -196,7 +202,9 @@ def _select_kernel(
     NBP: tl.constexpr,
     SUB: tl.constexpr,
     NSUB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     row = probs_ptr + b * s_prob_b + tl.load(rej_ptr + b) * s_prob_n
     # The cut t in [0, T) of the residual mass T.
@@ -291,12 +299,15 @@ def sample_into(
         accepted_lens, reject_indices, *child, reject_child_counts, mass,
         vocab, Q=q, QP=qp, HAS_SIZES=actual_tree_sizes is not None,
         num_warps=1 if qp <= 128 else 4,
+        **pdl.launch(dev),
     )  # fmt: skip
     _block_sum_kernel[(bs, nb)](
         *probs, reject_indices, *child, mass, sums, vocab, nb, Q=q, QP=qp, BLOCK_V=block,
         num_warps=8 if block >= 2048 else 4,
+        **pdl.launch(dev),
     )  # fmt: skip
     _select_kernel[(bs,)](
         *probs, reject_indices, reject_child_counts, *child, mass, sums, uniform_final, next_tokens,
         vocab, nb, Q=q, QP=qp, NBP=max(2, triton.next_power_of_2(nb)), SUB=sub, NSUB=nsub, num_warps=4,
+        **pdl.launch(dev),
     )  # fmt: skip

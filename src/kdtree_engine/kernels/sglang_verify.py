@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 
 from kdtree_engine.kernels import _interpreter  # noqa: F401
+from kdtree_engine.kernels import _pdl as pdl
+from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.kernels.tree_accept import walk
 
 
@@ -43,7 +45,9 @@ def _verify_inputs_kernel(
     PAD: tl.constexpr,
     QP: tl.constexpr,
     RB: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     b = tl.program_id(0).to(tl.int64)
     slot = tl.arange(0, QP)
     in_row = slot < q
@@ -83,7 +87,9 @@ def _packed_mask_kernel(
     vis_sr,
     vis_sc,
     BK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_then_release(PDL)  # first: PDL (kernels/_pdl.py)
     row_id = tl.program_id(0).to(tl.int64)
     b = row_id // q
     row = row_id - b * q
@@ -142,6 +148,7 @@ def write_verify_inputs(
         QP=qp,
         RB=max(1, min(qp, 4096 // qp)),
         num_warps=4 if qp >= 256 else 1,
+        **pdl.launch(root_token_ids.device),
     )
 
 
@@ -172,6 +179,7 @@ def write_packed_mask(
         *vis.stride(),
         BK=bk,
         num_warps=4 if bk >= 512 else 1,
+        **pdl.launch(vis.device),
     )
 
 
