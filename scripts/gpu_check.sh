@@ -22,6 +22,8 @@
 # shapes and our projection GEMM against cuBLAS, then bench e2e on that shape at batch 1 (issue 27).
 # "pdl" runs the GPU tests of the kernels launched with programmatic dependent launch, the model's and the
 # engine's, then scripts/probe_pdl.py and the 2.5B forward's profiles with PDL and without (issue 27).
+# "pdl-rest" runs the GPU tests of the kernels given PDL after the "pdl" call (drafter, tree, row-invariant,
+# SGLang metadata), then the 2.5B bench at batch 1.
 # "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
@@ -213,6 +215,22 @@ if [ "$what" = pdl ]; then
       >"$R/profile_plain_n$n.log" 2>&1 || status=1
   done
   grep -H "graph replay" "$R"/profile_*.log
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = pdl-rest ]; then
+  # issue 27: the GPU tests that have not yet run with programmatic dependent launch on every kernel (the
+  # drafter's, the tree kernels', the row-invariant GEMM's and mode's, the SGLang integration's kernels),
+  # then the 2.5B shape's bench at batch 1
+  timeout "${T_KT:-240}" python3 -m pytest -q -m gpu tests/kernels/test_drafter_attention.py \
+    tests/kernels/test_drafter_mlp.py tests/kernels/test_drafter_qkv.py tests/kernels/test_tree_build.py \
+    tests/kernels/test_tree_compile_accept.py tests/kernels/test_tree_sampling.py \
+    tests/kernels/test_tree_sampling_seeded.py tests/kernels/test_tree_topk_gpu.py tests/kernels/test_cache_compact.py \
+    tests/kernels/test_round_report.py tests/kernels/test_linear.py tests/kernels/test_mla_attention_invariant.py \
+    tests/kernels/test_sglang_attention_metadata.py tests/drafter tests/model/test_row_invariance.py \
+    -p no:cacheprovider "${xdist[@]}" -rs 2>&1 | tee "$R/pdl_rest_tests.log" | tail -8 || status=1
+  timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target small --batch 1 --temperatures 0 \
+    --budgets 32 64 --out "$R/small_b1" 2>&1 | tee "$R/bench_small_b1.log" | tail -30 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
