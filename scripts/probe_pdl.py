@@ -95,7 +95,8 @@ def weight_chain(launches: int, weight_mb: float, variant: str, device):
     n = programs * block_n
     gen = torch.Generator(device=device).manual_seed(0)
     ws = [(torch.randn(n, k, device=device, generator=gen) * k**-0.5).bfloat16() for _ in range(launches)]
-    bufs = [torch.randn(max(n, k), device=device, generator=gen)] + [torch.empty(max(n, k), device=device)
+    # zeros: where N < K a launch reads K values of which its predecessor wrote N (the rest stays 0)
+    bufs = [torch.randn(max(n, k), device=device, generator=gen)] + [torch.zeros(max(n, k), device=device)
                                                                    for _ in range(launches)]  # fmt: skip
 
     def run():
