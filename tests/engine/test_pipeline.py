@@ -1,7 +1,7 @@
 """The pipelined rounds of engine.loop (on CUDA the host enqueues round k + 1 before it reads round k),
 forced on the CPU: the same tokens, streams and stats as rounds read one by one, requests that the
-host finds done while a round is already in flight, the cache margin that round needs, and the round
-enqueued past the end discarded."""
+host finds done while a round is already in flight, the cache margin that round needs, and no round
+enqueued ahead while the one in flight may end every request."""
 
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ def test_pipelined_rounds_commit_what_rounds_read_one_by_one_commit(monkeypatch,
     for field in ("rounds", "target_forwards", "drafter_forwards"):
         assert getattr(a, field) == getattr(b, field), field
     assert a.accept_lengths == b.accept_lengths and b.discarded_rounds == 0
-    if method != "autoregressive":  # the last round is not surely last: one discarded
-        assert len(set(a.accept_lengths)) > 1 and a.discarded_rounds == 1
+    # the last rounds may each end the last request: read before another is enqueued, none discarded
+    assert a.discarded_rounds == 0
+    if method != "autoregressive":
+        assert len(set(a.accept_lengths)) > 1
 
 
 def test_a_request_the_host_stops_keeps_running_one_round_without_output(monkeypatch):
@@ -75,6 +77,32 @@ def test_sampled_pipelined_rounds_draw_the_same_tokens(monkeypatch):
     one_by_one = _run(monkeypatch, False, target, drafter, prompts, config)
     pipelined = _run(monkeypatch, True, target, drafter, prompts, config)
     assert pipelined.tokens == one_by_one.tokens
+
+
+@pytest.mark.parametrize("method", ["ddtree", "autoregressive"])
+def test_rounds_are_enqueued_ahead_until_the_one_in_flight_may_end_every_request(monkeypatch, method):
+    """The host enqueues a round ahead (one already in flight) only while some running request needs
+    more tokens than one round can commit (the drafter's block; 1 for autoregressive decoding): in the
+    middle of the call it does, near the end it does not, and nothing is discarded."""
+    target = tiny_target(2)
+    prompts = random_prompts(4, [5, 9], target.config.vocab_size)
+    n, block = 40, 6
+    drafter = None if method == "autoregressive" else OracleDrafter(target, prompts, n + 20, block_size=block)
+    most = 1 if drafter is None else block
+    ahead: list[bool] = []  # per enqueue of a round with another in flight: could the call end first?
+    enqueue = loop._Rounds.enqueue
+
+    def spy(self, bucket):
+        if self.in_flight:
+            ahead.append(self.run.reqs.could_end_within(most))
+        return enqueue(self, bucket)
+
+    monkeypatch.setattr(loop._Rounds, "enqueue", spy)
+    config = GenerationConfig(max_new_tokens=n, method=method, budget=8)
+    out = _run(monkeypatch, True, target, drafter, prompts, config)
+    assert out.tokens == greedy_generate(target, prompts, n)
+    assert len(ahead) > 3 and not any(ahead), ahead
+    assert out.stats.discarded_rounds == 0
 
 
 def test_no_round_is_enqueued_after_one_that_surely_ends_every_request(monkeypatch):

@@ -84,9 +84,10 @@ def test_a_round_at_once_equals_one_request_at_a_time(seed, stop_strings):
         if not ours.running():
             break
     assert streamed == ref.streamed
-    assert ours.surely_done_after_one() == all(
-        len(t) + 1 >= n for t, n, on in zip(ref.tokens, limits, ref.active) if on
-    )
+    for tokens in (1, 3, 8):
+        assert ours.could_end_within(tokens) == all(
+            len(t) + tokens >= n for t, n, on in zip(ref.tokens, limits, ref.active) if on
+        )
 
 
 def test_a_stop_token_past_the_count_is_not_a_stop():

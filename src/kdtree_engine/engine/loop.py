@@ -18,8 +18,12 @@ Since a round needs nothing from the host, on CUDA the host enqueues round k + 1
 round k (`_Rounds`, two pinned copy slots): the device runs rounds back to back while the host copies,
 commits and streams the previous one, and the host's launch and Python costs leave the critical path.
 A request the host finds done is still run by the round already in flight (the host drops what that
-round commits to it; the device learns of it in stream order); the round enqueued past the last
-request's end is discarded (`GenerationStats.discarded_rounds`).
+round commits to it; the device learns of it in stream order). Near the end the host stops enqueuing
+ahead: once the round in flight may end every running request (each within the most tokens one round
+commits, the drafter's block), it reads that round before it enqueues another, since a round enqueued
+past the end would be a whole round of device time discarded, where waiting costs the host's read and
+launch. A round enqueued ahead is still discarded when a stop token or string ends the last requests
+early (`GenerationStats.discarded_rounds`).
 
 The host hands each request its committed tokens and finishes a request at its token limit, after a
 stop token, or at the token whose text completes a stop string (decoded as the tokens arrive, from
@@ -577,10 +581,19 @@ def _pipelined(run: _Run, device: torch.device) -> bool:
     return device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
 
 
-def _surely_last(run: _Run) -> bool:
-    """True when the round in flight finishes every running request whatever it accepts (it commits at
-    least one token to each): no round need be enqueued after it."""
-    return run.reqs.surely_done_after_one()
+def _round_commits_at_most(run: _Run) -> int:
+    """The most tokens one round commits to a request: the bonus token after at most L accepted drafted
+    tokens (L + 1, the drafter's block, for DDTree, DFlash and the auto budget's trees), one for
+    autoregressive decoding."""
+    if run.config.method == "autoregressive" or run.drafter is None:
+        return 1
+    return int(run.drafter.block_size)
+
+
+def _may_be_last(run: _Run) -> bool:
+    """True when the round in flight may finish every running request (each within the most tokens a
+    round commits to it): the host then reads it before it enqueues another (module docstring)."""
+    return run.reqs.could_end_within(_round_commits_at_most(run))
 
 
 @dataclass
@@ -762,8 +775,9 @@ class _Rounds:
 def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | None = None) -> _Rounds:
     """The decoding rounds; returns them (with their graphs) for a later call of the same shape. Once
     the stages are captured (or will never be), the host enqueues round k + 1 before it reads round k,
-    so the device runs rounds back to back while the host copies, commits and streams the last one; the
-    round enqueued past the end is discarded. `rounds`: those of an earlier call on this state."""
+    so the device runs rounds back to back while the host copies, commits and streams the last one,
+    except where the round in flight may end every request (then it is read first: nothing is enqueued
+    past the end but after a stop). `rounds`: those of an earlier call on this state."""
     if rounds is None:
         rounds = _Rounds(run, state)
     else:
@@ -774,7 +788,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
     while run.reqs.running():
         if rounds.in_flight == 0:
             rounds.enqueue(rounds.pick())
-        if ahead and (rounds.graphs is not None or not graphs_wanted) and not _surely_last(run):
+        if ahead and (rounds.graphs is not None or not graphs_wanted) and not _may_be_last(run):
             rounds.enqueue(rounds.pick())
         bucket, orders = rounds.flight[0].bucket, [rounds.flight[0].order]
         tokens, counts = rounds.read()  # waits for the oldest round in flight

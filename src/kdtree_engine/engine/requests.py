@@ -49,9 +49,9 @@ class Requests:
     def running(self) -> bool:
         return bool(self.active.any())
 
-    def surely_done_after_one(self) -> bool:
-        """True when one more committed token ends every running request (its limit)."""
-        return bool(np.all((self.lengths + 1 >= self.limits) | ~self.active))
+    def could_end_within(self, tokens: int) -> bool:
+        """True when `tokens` more committed tokens could end every running request (reach its limit)."""
+        return bool(np.all((self.lengths + tokens >= self.limits) | ~self.active))
 
     def commit_round(self, tokens: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bool]:
         """tokens [requests, slots] int64, counts [requests] int64: the round's committed tokens per

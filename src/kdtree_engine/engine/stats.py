@@ -97,7 +97,7 @@ class GenerationStats:
     wall_time: float = 0.0  # seconds of the whole call, prefill and graph capture included
     cuda_graphs: bool = False
     capture_time: float = 0.0  # seconds spent capturing CUDA graphs (once per call, after round 1)
-    discarded_rounds: int = 0  # rounds enqueued ahead past the end (engine.loop), not in `rounds`
+    discarded_rounds: int = 0  # rounds enqueued past the end (after a stop; engine.loop), not in `rounds`
     eager_rounds: int = 0  # rounds past a call's first run eagerly although graphs are on (not captured yet)
     budgets: list[int] = field(default_factory=list)  # budget "auto": each round's bucket, in order
     budget_report: dict = field(default_factory=dict)  # budget "auto": engine.budget.BudgetPolicy.report()
