@@ -787,6 +787,8 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
     run.stats.cuda_graphs = rounds.graphs is not None
     while run.reqs.running():
         if rounds.in_flight == 0:
+            if ahead:  # a round read first (or a call's first): its read interval holds the host's work,
+                rounds.last_read = None  # not what the round costs when pipelined (auto's cost table)
             rounds.enqueue(rounds.pick())
         if ahead and (rounds.graphs is not None or not graphs_wanted) and not _may_be_last(run):
             rounds.enqueue(rounds.pick())
