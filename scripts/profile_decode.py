@@ -2,7 +2,10 @@
 N tokens per request at batch B, profiled eagerly (kernel table, bench/timing.kernel_profile) and timed
 as a CUDA graph replay (bench/timing.time_graph: the method of every benchmark, docs/results.md). With
 --graph, the replay itself is profiled too: the kernels' summed time inside one replay against the replay's
-time, the difference being the gaps between dependent launches in the graph.
+time, the difference being the gaps between dependent launches in the graph. With programmatic dependent
+launch on (kernels/_pdl.py, the default on compute capability 9.0+) a kernel starts before its
+predecessor ends and waits for it, so its profiled time includes that wait and the kernels' sum exceeds
+the replay's span; KDTREE_ENGINE_PDL=0 gives each kernel's own time.
 
     python scripts/profile_decode.py [--batch 1] [--nodes 1] [--prefix 96] [--graph]
 """
