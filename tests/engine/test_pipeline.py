@@ -161,3 +161,27 @@ def test_steady_rounds_never_sync_the_device(monkeypatch, budget):
         captures = _HostGraphs.captures + HostPrefillGraphs.captures  # the rounds' and the prefill's
         assert len(syncs) == 2 + 2 * captures  # the call's wall clock, and each capture's
         assert call > 0 or (_HostGraphs.captures > 0 and HostPrefillGraphs.captures == 1)
+
+
+def test_the_round_in_flights_bucket_sets_how_near_the_end_it_is_read_first():
+    """A tree or chain in flight may commit the drafter's block (L + 1 tokens), an autoregressive step
+    (bucket 0, the auto budget's too) one: a step in flight is read first only at a request's last token,
+    a tree within a block of every running request's end."""
+    from types import SimpleNamespace
+
+    from kdtree_engine.engine.requests import Requests
+
+    reqs = Requests([20, 30], frozenset(), None)
+    reqs.lengths[:] = [14, 24]  # 6 tokens left each
+    run = SimpleNamespace(drafter=SimpleNamespace(block_size=8), reqs=reqs)
+    in_flight = lambda bucket: SimpleNamespace(flight=[SimpleNamespace(bucket=bucket)])  # noqa: E731
+    assert loop._may_be_last(run, in_flight(16)) and not loop._may_be_last(run, in_flight(0))
+    reqs.lengths[:] = [19, 29]
+    assert loop._may_be_last(run, in_flight(0))
+    reqs.lengths[:] = [19, 21]  # the second request is 9 tokens from its end: no tree ends both
+    assert not loop._may_be_last(run, in_flight(16))
+    reqs.active[1] = False  # unless it is done
+    assert loop._may_be_last(run, in_flight(16))
+    assert not loop._may_be_last(
+        SimpleNamespace(drafter=None, reqs=Requests([5], frozenset(), None)), in_flight(0)
+    )

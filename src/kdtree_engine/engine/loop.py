@@ -19,8 +19,9 @@ round k (`_Rounds`, two pinned copy slots): the device runs rounds back to back 
 commits and streams the previous one, and the host's launch and Python costs leave the critical path.
 A request the host finds done is still run by the round already in flight (the host drops what that
 round commits to it; the device learns of it in stream order). Near the end the host stops enqueuing
-ahead: once the round in flight may end every running request (each within the most tokens one round
-commits, the drafter's block), it reads that round before it enqueues another, since a round enqueued
+ahead: once the round in flight may end every running request (each within the most tokens that round
+commits: the drafter's block for a tree or chain, one for a step), it reads that round before it
+enqueues another, since a round enqueued
 past the end would be a whole round of device time discarded, where waiting costs the host's read and
 launch. A round enqueued ahead is still discarded when a stop token or string ends the last requests
 early (`GenerationStats.discarded_rounds`).
@@ -581,19 +582,19 @@ def _pipelined(run: _Run, device: torch.device) -> bool:
     return device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
 
 
-def _round_commits_at_most(run: _Run) -> int:
-    """The most tokens one round commits to a request: the bonus token after at most L accepted drafted
-    tokens (L + 1, the drafter's block, for DDTree, DFlash and the auto budget's trees), one for
-    autoregressive decoding."""
-    if run.config.method == "autoregressive" or run.drafter is None:
+def _round_commits_at_most(run: _Run, bucket: int) -> int:
+    """The most tokens a round of `bucket` commits to a request: one for bucket 0 (an autoregressive
+    step, the auto budget's included), else the bonus token after at most L accepted drafted tokens
+    (L + 1, the drafter's block: DDTree, DFlash and the auto budget's trees)."""
+    if bucket == 0 or run.drafter is None:
         return 1
     return int(run.drafter.block_size)
 
 
-def _may_be_last(run: _Run) -> bool:
-    """True when the round in flight may finish every running request (each within the most tokens a
+def _may_be_last(run: _Run, rounds: _Rounds) -> bool:
+    """True when the round in flight may finish every running request (each within the most tokens that
     round commits to it): the host then reads it before it enqueues another (module docstring)."""
-    return run.reqs.could_end_within(_round_commits_at_most(run))
+    return run.reqs.could_end_within(_round_commits_at_most(run, rounds.flight[-1].bucket))
 
 
 @dataclass
@@ -790,7 +791,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
             if ahead:  # a round read first (or a call's first): its read interval holds the host's work,
                 rounds.last_read = None  # not what the round costs when pipelined (auto's cost table)
             rounds.enqueue(rounds.pick())
-        if ahead and (rounds.graphs is not None or not graphs_wanted) and not _may_be_last(run):
+        if ahead and (rounds.graphs is not None or not graphs_wanted) and not _may_be_last(run, rounds):
             rounds.enqueue(rounds.pick())
         bucket, orders = rounds.flight[0].bucket, [rounds.flight[0].order]
         tokens, counts = rounds.read()  # waits for the oldest round in flight
