@@ -15,7 +15,8 @@ MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KB
 
 # The start of a compile script: build(fn, sig, cst, warps, stages) compiles a kernel for sm_90 and
 # returns resources(kernel): its shared memory, local (spilled) bytes and registers per thread;
-# i32(*names) types ints.
+# i32(*names) types ints; memory_before_wait(ptx) counts the memory accesses a PDL kernel makes
+# before its wait.
 # Pointers are 16-byte aligned and every int the kernel lets Triton specialize is a multiple of 16, as
 # a launch at realistic sizes marks them (the marks decide load widths and software pipelining, hence
 # the shared memory); launch_compile.py compiles kernels exactly as the package launches them.
@@ -49,6 +50,13 @@ def resources(kernel):
 
 def i32(*names):
     return {n: "i32" for n in names}
+
+
+def memory_before_wait(ptx):
+    # global / shared memory accesses and async copies in the PTX text before griddepcontrol.wait (the
+    # wait a kernel launched with PDL runs first, kernels/_pdl.py); -1: no wait at all
+    at = ptx.find("griddepcontrol.wait")
+    return -1 if at < 0 else len(re.findall(r"\b(ld|st|cp\.async|red|atom)\.[\w.]*(global|shared)", ptx[:at]))
 """
 
 

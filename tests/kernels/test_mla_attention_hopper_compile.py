@@ -7,7 +7,7 @@ tests in test_mla_attention.py."""
 from __future__ import annotations
 
 import pytest
-from tests.kernels.offline_compile import MAX_SHARED, run_compile_script
+from tests.kernels.offline_compile import BUILD, MAX_SHARED, run_compile_script
 
 COMPILE = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -32,11 +32,6 @@ SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_bt
                                       "stride_vi")})
 SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "GATHER", "SCHED_ON_DEVICE",
                                            "num_warps")})
-def pdl_order(ptx):
-    # the global / shared memory accesses and async copies in the PTX text before griddepcontrol.wait
-    # (-1: no wait at all)
-    at = ptx.find("griddepcontrol.wait")
-    return -1 if at < 0 else len(re.findall(r"\b(ld|st|cp\.async|red|atom)\.[\w.]*(global|shared)", ptx[:at]))
 builds = [("visibility", False, 0), ("visibility", True, 0), ("bits", False, 1), ("causal", False, 2)]
 builds += [("gather", True, 0), ("gather-bits", True, 1), ("gather-device", True, 0)]  # pages of 1 (SGLang)
 builds += [("device", False, 0)]  # the schedule read from the device (a captured forward)
@@ -76,14 +71,14 @@ for name, paged, mode in builds:
         "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
         "warps": kernel.metadata.num_warps, "mma": mma, "ldgsts128": cp_async,
         "tma": len(re.findall(r"UTMALDG", sass)), "pdl": kernel.metadata.launch_pdl,
-        "ptx_memory_before_wait": pdl_order(kernel.asm["ptx"])}
+        "ptx_memory_before_wait": memory_before_wait(kernel.asm["ptx"])}
 print(json.dumps(found))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    return run_compile_script(COMPILE)
+    return run_compile_script(BUILD + COMPILE)
 
 
 @pytest.mark.parametrize(

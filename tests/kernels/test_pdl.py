@@ -27,11 +27,6 @@ from kdtree_engine.model.loader import load_model
 _pdl.enabled = lambda device: True  # as on an sm_90 GPU
 
 
-def order(ptx):
-    at = ptx.find("griddepcontrol.wait")
-    return -1 if at < 0 else len(re.findall(r"\b(ld|st|cp\.async|red|atom)\.[\w.]*(global|shared)", ptx[:at]))
-
-
 found = {}
 with torch.no_grad():
     nano = aligned(load_model(KIMI_NANO, dtype=torch.bfloat16))
@@ -46,7 +41,7 @@ with torch.no_grad():
     plan.run(q, kv)
 for name, kernel, constants in _COMPILED:
     found.setdefault(name, []).append({"pdl": kernel.metadata.launch_pdl, "PDL": constants.get("PDL"),
-                                       "before_wait": order(kernel.asm["ptx"])})
+                                       "before_wait": memory_before_wait(kernel.asm["ptx"])})
 print(json.dumps(found))
 """
 
