@@ -50,6 +50,11 @@ T_TESTS=${T_TESTS:-280} T_DEMO=${T_DEMO:-60} T_TREE=${T_TREE:-70} T_ATTN=${T_ATT
 # pytest-xdist, where installed, spreads the Triton compiles of the GPU sweep over the CPU cores.
 xdist=()
 python3 -c 'import xdist' 2>/dev/null && xdist=(-n 12)
+# bench e2e on the 2.5B shape at batch 1, budgets 32 and 64 (issue 27's row; "small-forward", "pdl-rest")
+bench_small_b1() {
+  timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target small --batch 1 --temperatures 0 \
+    --budgets 32 64 --out "$R/small_b1" 2>&1 | tee "$R/bench_small_b1.log" | tail -30 || status=1
+}
 if [ "$what" = sglang ]; then
   KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-200}" python3 -m pytest -q tests/integrations \
     -p no:cacheprovider "${xdist[@]}" -rs --durations=8 2>&1 | tee "$R/sglang_tests.log" | tail -30 || status=1
@@ -191,8 +196,7 @@ if [ "$what" = small-forward ]; then
     | tail -20 || status=1
   timeout "${T_LIN:-60}" python3 scripts/bench_linear.py --rows 1 33 --rep-ms 30 2>&1 | tee "$R/bench_linear.log" \
     | tail -30 || status=1
-  timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target small --batch 1 --temperatures 0 \
-    --budgets 32 64 --out "$R/small_b1" 2>&1 | tee "$R/bench_small_b1.log" | tail -30 || status=1
+  bench_small_b1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
@@ -229,8 +233,7 @@ if [ "$what" = pdl-rest ]; then
     tests/kernels/test_round_report.py tests/kernels/test_linear.py tests/kernels/test_mla_attention_invariant.py \
     tests/kernels/test_sglang_attention_metadata.py tests/drafter tests/model/test_row_invariance.py \
     -p no:cacheprovider "${xdist[@]}" -rs 2>&1 | tee "$R/pdl_rest_tests.log" | tail -8 || status=1
-  timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target small --batch 1 --temperatures 0 \
-    --budgets 32 64 --out "$R/small_b1" 2>&1 | tee "$R/bench_small_b1.log" | tail -30 || status=1
+  bench_small_b1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi

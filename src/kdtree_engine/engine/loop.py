@@ -21,10 +21,9 @@ A request the host finds done is still run by the round already in flight (the h
 round commits to it; the device learns of it in stream order). Near the end the host stops enqueuing
 ahead: once the round in flight may end every running request (each within the most tokens that round
 commits: the drafter's block for a tree or chain, one for a step), it reads that round before it
-enqueues another, since a round enqueued
-past the end would be a whole round of device time discarded, where waiting costs the host's read and
-launch. A round enqueued ahead is still discarded when a stop token or string ends the last requests
-early (`GenerationStats.discarded_rounds`).
+enqueues another, since a round enqueued past the end would be a whole round of device time
+discarded, where waiting costs the host's read and launch. A round enqueued ahead is still discarded
+when a stop token or string ends the last requests early (`GenerationStats.discarded_rounds`).
 
 The host hands each request its committed tokens and finishes a request at its token limit, after a
 stop token, or at the token whose text completes a stop string (decoded as the tokens arrive, from
