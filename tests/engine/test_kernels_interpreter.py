@@ -22,10 +22,10 @@ def test_greedy_invariant_through_the_kernels():
     target, drafter = tiny_target(0), tiny_drafter(0, block_size=4)
     prompts = random_prompts(0, [3, 6], target.config.vocab_size)
     expected = greedy_generate(target, prompts, 4)
-    for method, budget in (("dflash", None), ("ddtree", 4)):
+    for method, budget in (("dflash", None), ("ddtree", 4), ("ddtree", "auto")):
         config = GenerationConfig(max_new_tokens=4, method=method, budget=budget, impl="triton")
         out = generate(target, drafter, prompts, config)
-        assert out.tokens == expected, method
+        assert out.tokens == expected, (method, budget)
 
 
 def test_row_invariant_mode_reaches_every_target_forward_and_keeps_greedy_outputs(monkeypatch):

@@ -85,8 +85,8 @@ KERNELS_DIR = Path(_pdl.__file__).parent
 PDL_MODULES = {"rmsnorm", "moe", "moe_router", "mla_latent", "rope", "mla_attention_hopper",
                "mla_attention_triton", "mla_attention_merge", "mla_attention_schedule", "drafter_attention",
                "drafter_mlp", "drafter_qkv", "tree_topk", "tree_build", "tree_compile", "tree_accept",
-               "tree_sample", "tree_visibility", "cache_compact", "round_report", "sglang_attention",
-               "sglang_sample", "sglang_verify", "linear"}  # fmt: skip
+               "tree_sample", "tree_visibility", "cache_compact", "round_report", "round_commit",
+               "sglang_attention", "sglang_sample", "sglang_verify", "linear"}  # fmt: skip
 
 
 def _pdl_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:

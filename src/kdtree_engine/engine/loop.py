@@ -51,6 +51,7 @@ from kdtree_engine.engine.budget import (
     report_codes,
     round_report,
 )
+from kdtree_engine.engine.commit import RoundState, commit_round
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
 from kdtree_engine.engine.prefill import PrefillGraphs, prefill_forward, prefill_width
@@ -402,46 +403,37 @@ class _Stages:
         setattr(self, f"out_{n}", out)  # logits [B, n + 1, V], hidden [B, n + 1, F]
 
     def accept(self, n: int) -> None:
-        """The walk, then the commit on the device: the accepted rows of the target cache, their features
-        for the drafter, the committed tokens (accepted nodes after the root, then the bonus token)."""
-        s, out = self.s, getattr(self, f"out_{n}")
+        """The walk, then the commit on the device (engine.commit): the accepted rows of the target cache,
+        their features for the drafter, the committed tokens (accepted nodes after the root, then the
+        bonus token), the bonus token and the cache length."""
+        s, out, run = self.s, getattr(self, f"out_{n}"), self.run
         tree, ids, _, _ = self._first(n)
         acc = self._choose(tree, out.logits)
         count = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
-        s.cache.compact(s.start, acc.accepted, count, validate=False, impl=self.run.impl)
-        idx = acc.accepted.clamp(min=0)  # [B, L + 1]
-        hidden = out.hidden.gather(1, idx[..., None].expand(-1, -1, out.hidden.shape[-1]))
-        if self.run.config.auto_budget:  # room for the rows of the autoregressive steps after it
-            if s.ctx is None:
-                rows = (1 + STEP_ROUNDS) * hidden.shape[1]
-                s.ctx = hidden.new_zeros(hidden.shape[0], rows, hidden.shape[2])
-            s.ctx[:, : hidden.shape[1]].copy_(hidden)
-        else:
-            s.put("ctx", hidden)
-        s.ctx_lens.copy_(count)
-        tokens = torch.cat([ids.gather(1, idx)[:, 1:], acc.bonus[:, None]], dim=1)
-        tokens.scatter_(1, (count - 1).clamp(min=0)[:, None], acc.bonus[:, None])
+        s.cache.compact(s.start, acc.accepted, count, validate=False, impl=run.impl)
+        (b, w), auto = acc.accepted.shape, run.config.auto_budget
+        if s.ctx is None:  # auto: room for the rows of the autoregressive steps after it
+            rows = (1 + STEP_ROUNDS) * w if auto else w
+            s.ctx = out.hidden.new_zeros(b, rows, out.hidden.shape[-1])
+        slots = run.drafter.block_size if auto else w
+        if s.committed is None:
+            width = 1 + slots + (2 * len(self.buckets) if auto else 0)
+            s.committed = torch.zeros(b, width, dtype=torch.int64, device=count.device)
         report = None
-        if self.run.config.auto_budget:
+        if auto:  # before the commit: it reads the accepted nodes only
             report = round_report(*self.topk[n], tree, self.inputs[n][2], acc.accepted, self.codes[n],
-                                  impl=self.run.impl)  # fmt: skip
-        self._commit(count, tokens, report)
-        s.bonus.copy_(torch.where(s.active, acc.bonus, s.bonus))
-        s.start.add_(count)
+                                  impl=run.impl)  # fmt: skip
+        state = RoundState(s.ctx[:, :w], s.ctx_lens, s.committed, s.bonus, s.start)
+        commit_round(count, acc.accepted, acc.bonus, ids, out.hidden, s.active, state, slots, impl=run.impl)
+        if report is not None:
+            s.committed[:, 1 + slots :].copy_(report.view(torch.int64))
 
-    def _commit(self, count: torch.Tensor, tokens: torch.Tensor, report: torch.Tensor | None) -> None:
-        """The round's one tensor for the host: count, tokens, and with the auto budget the L + 1 token
-        slots padded and the round's report (engine.budget.round_report: the bucket sums and the counts
-        each smaller tree would have committed; float64 bits; NaN for a round without a draft)."""
-        s = self.s
-        if not self.run.config.auto_budget:
-            s.put("committed", torch.cat([count[:, None], tokens], dim=1))
-            return
-        if report is None:  # an autoregressive step: one token, the other slots and the report fixed
-            s.put("committed", torch.cat([count[:, None], tokens, self.step_tail], dim=1))
-            return
-        pad = tokens.new_zeros(tokens.shape[0], self.run.drafter.block_size - tokens.shape[1])  # L + 1 slots
-        s.put("committed", torch.cat([count[:, None], tokens, pad, report.view(torch.int64)], dim=1))
+    def _commit_step(self, count: torch.Tensor, token: torch.Tensor) -> None:
+        """An autoregressive step's copy for the host: the count and the token [B, 1], with the auto
+        budget then the tree rounds' other token slots and a report of NaN (no draft; the tree rounds'
+        copy is written by engine.commit)."""
+        tail = [self.step_tail] if self.run.config.auto_budget else []
+        self.s.put("committed", torch.cat([count[:, None], token, *tail], dim=1))
 
     def decode(self, into_context: bool = False) -> None:
         """One decode forward of the bonus tokens. into_context (the auto budget's autoregressive step):
@@ -463,7 +455,7 @@ class _Stages:
         logits = self.logits[:, :1]
         token = self._choose(root_tree(logits.shape[0], logits.device), logits).bonus
         n = s.active.long()
-        self._commit(n, token[:, None], None)
+        self._commit_step(n, token[:, None])
         s.bonus.copy_(torch.where(s.active, token, s.bonus))
         s.start.add_(n)
 
