@@ -1,8 +1,9 @@
 """The row-invariant projection (kernels/linear.py) against its reference (ref/linear.py) on fresh random
 inputs, and its defining property: a row's bits do not depend on the other rows of the launch (the same
-row in launches of M = 1 .. 100 rows, at other positions, next to other rows). On the CPU through the
-Triton interpreter at small shapes; the Kimi-K2 shapes, CUDA-graph replay and the same property on the
-GPU are marked gpu.
+row in launches of M = 1 .. 100 rows, at other positions, next to other rows). The small-M launch
+(invariant=False) against the same reference, at every row tile it takes. On the CPU through the
+Triton interpreter at small shapes; the Kimi-K2 and 2.5B shapes, CUDA-graph replay and the same property
+on the GPU are marked gpu.
 
 Tolerances, relative to the output's largest magnitude, against the reference run on the float32 values
 of the inputs: float32 1e-5 (another summation order), 16-bit 1e-2 (one rounding of the output)."""
@@ -121,6 +122,64 @@ def test_batched_into_strided_views(dtype, device):
         kernels.batched_linear_into(x, w_uk, buf[..., :r].transpose(0, 1))
 
 
+SMALL_M_SHAPES = [  # (M, N, K): each row tile (16, 32, 64), N and K off the blocks, one K step and several
+    (1, 40, 24),
+    (3, 16, 300),
+    (16, 70, 130),
+    (17, 33, 48),
+    (33, 96, 520),
+    (64, 20, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SMALL_M_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_small_m_launch_matches_reference(shape, dtype, device):
+    m, n, k = shape
+    x, w, b = _inputs(m, n, k, dtype, seed=m + n * k)
+    want = linear_ref(x.float(), w.float(), b.float())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    got = kernels.linear(x.to(device), w.to(device), b.to(device), invariant=False)
+    torch.testing.assert_close(got.cpu().float(), want, rtol=tol, atol=tol * float(want.abs().max()))
+    first = kernels.linear(x.to(device), w.to(device), b.to(device), invariant=False, weight_first=True)
+    assert torch.equal(first, got)  # the weight read before the PDL wait: the same sum
+    x3 = x.to(device)[None].expand(2, m, k)
+    out = torch.empty(2, m, n, dtype=dtype, device=device)
+    kernels.batched_linear_into(x3, w.to(device)[None].expand(2, n, k), out, invariant=False)
+    torch.testing.assert_close(
+        out[1].cpu().float(), want - b.float(), rtol=tol, atol=tol * float(want.abs().max())
+    )
+
+
+def test_small_m_launch_tiles_every_row_and_beyond_takes_the_invariant_launch(device):
+    """One row tile of M rounded up to a power of two (16 at least); M > SMALL_M falls back to the
+    invariant launch (so its rows keep the invariant bits); M outside 1..SMALL_M is refused by name."""
+    assert [kernels.small_m_launch(m, 2048, 2048, 2).block_m for m in (1, 16, 17, 33, 64)] == [
+        16,
+        16,
+        32,
+        64,
+        64,
+    ]
+    for bad in (0, kernels.SMALL_M + 1):
+        with pytest.raises(ValueError, match="small_m_launch: M"):
+            kernels.small_m_launch(bad, 64, 64, 2)
+    x, w, _ = (t.to(device) for t in _inputs(kernels.SMALL_M + 1, 24, 40, torch.float32, seed=8))
+    assert torch.equal(kernels.linear(x, w, invariant=False), kernels.linear(x, w))
+    assert kernels.small_m_launch(1, 1344, 2048, 2) != kernels.launch_config(1344, 2048, 2)
+
+
+def test_small_m_wins_at_one_row_tile_or_a_small_weight():
+    """The rule the model's projections follow (model.linear): M <= 16 at any weight size; up to SMALL_M
+    rows only for weights of at most SMALL_WEIGHT bytes; never past SMALL_M or at M = 0."""
+    big, small = 8 << 20, kernels.SMALL_WEIGHT
+    assert kernels.small_m_wins(1, big) and kernels.small_m_wins(16, big)
+    assert not kernels.small_m_wins(17, big)
+    assert kernels.small_m_wins(33, small) and kernels.small_m_wins(64, small)
+    assert not kernels.small_m_wins(33, small + 1) and not kernels.small_m_wins(65, 1)
+    assert not kernels.small_m_wins(0, 1)
+
+
 KIMI_SHAPES = [
     (2112, 7168),
     (1536, 1536),
@@ -144,6 +203,28 @@ def test_rows_are_invariant_on_the_gpu_at_kimi_shapes(nk):
     torch.testing.assert_close(
         kernels.linear(x[:33], w).float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max())
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nk", [(1344, 2048), (3072, 768), (2048, 2048), (163840, 2048), *KIMI_SHAPES[:3]],
+                         ids=lambda s: "x".join(map(str, s)))  # fmt: skip
+def test_small_m_launch_on_the_gpu(nk):
+    """bf16 on the GPU at the 2.5B shape's and Kimi-K2's projection shapes, for a decode step and tree
+    verifies: values against the float32 reference, and the same bits when captured in a graph."""
+    n, k = nk
+    x, w, _ = (
+        t.cuda() if t is not None else None for t in _inputs(64, n, k, torch.bfloat16, seed=n, bias=False)
+    )
+    for m in (1, 4, 17, 33, 64):
+        want = linear_ref(x[:m].float(), w.float())
+        got = kernels.linear(x[:m], w, invariant=False)
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.linear(x[:33], w, invariant=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, kernels.linear(x[:33], w, invariant=False))
 
 
 @pytest.mark.gpu

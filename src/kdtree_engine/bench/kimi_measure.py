@@ -134,7 +134,8 @@ def lm_head(run) -> None:
     for b in args.batch:
         for n in args.tokens:
             x = torch.randn(b * n, head.in_features, device=run.device, dtype=BF16)
-            project = partial(linear, x, head.weight, None, run.args.row_invariant)
+            gemm = "invariant" if run.args.row_invariant else "torch"  # cuBLAS, as SGLang runs it
+            project = partial(linear, x, head.weight, None, gemm)
             row = {"batch": b, "tokens": n, "us": _timed(project, run)}
             run.emit("lm_head", _roofline(row, lm_head_bytes(head, b * n), run))
 

@@ -12,6 +12,7 @@ import torch
 from kdtree_engine.attention import AttentionPlan, plan_attention
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.config import ModelConfig
+from kdtree_engine.model.linear import Gemm, gemm_mode
 
 
 @dataclass
@@ -50,6 +51,11 @@ class ForwardContext:
     def row_invariant(self) -> bool:
         """Whether this forward's kernels run row-invariant: asked for, and on the kernel path."""
         return self.invariant and self.kernels
+
+    @functools.cached_property
+    def gemm(self) -> Gemm:
+        """The projections' GEMMs (model.linear.gemm_mode): torch's, the small-M kernel, row-invariant."""
+        return gemm_mode(self.kernels, self.invariant, self.start.device)
 
     @property
     def op_impl(self) -> str:

@@ -21,7 +21,7 @@ from torch import nn
 from kdtree_engine.impl import capturing, resolve_impl
 from kdtree_engine.model.config import ModelConfig
 from kdtree_engine.model.context import ForwardContext
-from kdtree_engine.model.linear import linear, per_head_into, project
+from kdtree_engine.model.linear import Gemm, linear, per_head_into, project
 from kdtree_engine.model.rope import apply_rope
 from kdtree_engine.packing import intact, pack_rows
 
@@ -84,14 +84,14 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=bias)
         self._fused_a: tuple | None = None  # (weight, bias or None, pointers): see _a_proj
 
-    def _a_proj(self, x: torch.Tensor, invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _a_proj(self, x: torch.Tensor, gemm: Gemm = "torch") -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel path's one GEMM for the projections that read x: (q_a [b, t, q_lora_rank], or q
         [b, t, h * qk_head_dim] without q_lora, and kv_a [b, t, r + d_r]), views of one output. The fused
         weight is packed at the first call and again whenever a parameter no longer points into it."""
         first = self.q_proj if self.c.q_lora_rank is None else self.q_a_proj
         kv = self.kv_a_proj_with_mqa
         if (first.bias is None) != (kv.bias is None):  # q_proj has no bias: two GEMMs then
-            return project(x, first, invariant), project(x, kv, invariant)
+            return project(x, first, gemm), project(x, kv, gemm)
         if self._fused_a is None or not intact(self._fused_a[2]):
             if capturing(x.device):  # a captured copy would re-read freed storage on replay
                 raise RuntimeError(
@@ -103,7 +103,7 @@ class MLAttention(nn.Module):
             b = None if kv.bias is None else pack_rows([[first.bias, kv.bias]], ptrs)[0]
             self._fused_a = (w, b, tuple(ptrs))
         w, b, _ = self._fused_a
-        return linear(x, w, b, invariant).split([first.weight.shape[0], kv.weight.shape[0]], dim=-1)
+        return linear(x, w, b, gemm).split([first.weight.shape[0], kv.weight.shape[0]], dim=-1)
 
     def _query(self, x: torch.Tensor, impl: str | None = "ref") -> torch.Tensor:
         """x [b, t, hidden] -> q [b, t, h, qk_head_dim]."""
@@ -163,14 +163,14 @@ class MLAttention(nn.Module):
 
         c, (b, t, _) = self.c, q_a.shape
         h, r, d_nope = c.num_attention_heads, c.kv_lora_rank, c.qk_nope_head_dim
-        invariant = ctx.row_invariant
+        gemm = ctx.gemm
         if c.q_lora_rank is not None:
-            q_a = project(self.q_a_layernorm(q_a, "triton"), self.q_b_proj, invariant)
+            q_a = project(self.q_a_layernorm(q_a, "triton"), self.q_b_proj, gemm)
         q = q_a.view(b, t, h, c.qk_head_dim)
         out = torch.empty(b, t, h, r + c.qk_rope_head_dim, dtype=dtype, device=q.device)
         w_uk, _ = self._w_uk_uv()
         q_nope = q.reshape(b * t, h, -1)[..., :d_nope].transpose(0, 1)  # [h, b * t, d_nope]
-        per_head_into(q_nope, w_uk, out.view(b * t, h, -1)[..., :r].transpose(0, 1), invariant)  # [h, b t, r]
+        per_head_into(q_nope, w_uk, out.view(b * t, h, -1)[..., :r].transpose(0, 1), gemm)  # [h, b t, r]
         rope_kernel(q[..., d_nope:], ctx.cos, ctx.sin, c.rope_interleave, out=out[..., r:])
         return out
 
@@ -181,7 +181,7 @@ class MLAttention(nn.Module):
         cos, sin = ctx.cos, ctx.sin
         kernels = self._kernels_apply(x, ctx) and kv_layer.dtype == x.dtype
         if kernels:
-            q_a, kv_a = self._a_proj(x, ctx.row_invariant)
+            q_a, kv_a = self._a_proj(x, ctx.gemm)
             self._write_latent(kv_a, kv_layer, ctx)
             q = self._absorbed_query_into(q_a, ctx, kv_layer.dtype)  # [b, t, h, r + d_r]
         else:
@@ -189,15 +189,15 @@ class MLAttention(nn.Module):
             q = self.absorbed_query(x, cos, sin, ctx.op_impl).to(kv_layer.dtype)  # [b, t, h, r + d_r]
         out = ctx.attend(q, kv_layer)  # [b, t, h, r]
         _, w_uv = self._w_uk_uv()
-        invariant = kernels and ctx.row_invariant
+        gemm = ctx.gemm if kernels else "torch"
         if kernels:  # the value lift per head, written in place into v's [b, t, h, d_v] rows (the einsum's
             # [h, b t, d_v] result costs a copy before o_proj at t > 1); row-invariant GEMMs in that mode
             c = self.c
             v = torch.empty(b, t, c.num_attention_heads, c.v_head_dim, dtype=x.dtype, device=x.device)
             lat = out.to(x.dtype).reshape(b * t, c.num_attention_heads, -1).transpose(0, 1)  # [h, b t, r]
             per_head_into(
-                lat, w_uv.transpose(1, 2), v.view(b * t, c.num_attention_heads, -1).transpose(0, 1), invariant
+                lat, w_uv.transpose(1, 2), v.view(b * t, c.num_attention_heads, -1).transpose(0, 1), gemm
             )
         else:  # the reference path (autograd too: training)
             v = torch.einsum("bthr,hdr->bthd", out.to(x.dtype), w_uv)  # [b, t, h, d_v]
-        return project(v.reshape(b, t, -1), self.o_proj, invariant)
+        return project(v.reshape(b, t, -1), self.o_proj, gemm)

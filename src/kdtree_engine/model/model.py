@@ -145,7 +145,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         captured[len(self.layers) - 1] = x
         if logits_rows is not None:
             h = h[torch.arange(b, device=dev), logits_rows.to(dev)][:, None]  # [b, 1, hidden]
-        logits = project(h, self.lm_head, ctx.row_invariant)
+        logits = project(h, self.lm_head, ctx.gemm)
         cache.seqlens.copy_(start + (lengths.to(dev) if lengths is not None else t))
         hidden = torch.cat([captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         return ForwardOutput(logits.to(torch.promote_types(logits.dtype, torch.float32)), hidden)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.config import ModelConfig
-from kdtree_engine.model.linear import project
+from kdtree_engine.model.linear import gemm_mode, project
 from kdtree_engine.ref.moe import Shared, moe_experts_ref
 
 
@@ -27,11 +27,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, impl: str | None = "ref", invariant: bool = False) -> torch.Tensor:
-        """impl: accepted for the model's uniform layer call; the three GEMMs and the SiLU are torch ops,
-        the GEMMs row-invariant (kernels/linear.py) when `invariant` on the kernel path."""
-        inv = invariant and resolve_impl(impl, x.device) == "triton"
-        h = F.silu(project(x, self.gate_proj, inv)) * project(x, self.up_proj, inv)
-        return project(h, self.down_proj, inv)
+        """impl: accepted for the model's uniform layer call; the SiLU is a torch op, the three GEMMs as the
+        kernel path's projections (model.linear.gemm_mode: row-invariant when `invariant`)."""
+        gemm = gemm_mode(resolve_impl(impl, x.device) == "triton", invariant, x.device)
+        h = F.silu(project(x, self.gate_proj, gemm)) * project(x, self.up_proj, gemm)
+        return project(h, self.down_proj, gemm)
 
 
 class Router(nn.Module):
