@@ -154,7 +154,7 @@ def test_small_m_launch_matches_reference(shape, dtype, device):
 def test_small_m_launch_tiles_every_row_and_beyond_takes_the_invariant_launch(device):
     """One row tile of M rounded up to a power of two (16 at least); M > SMALL_M falls back to the
     invariant launch (so its rows keep the invariant bits); M outside 1..SMALL_M is refused by name."""
-    assert [kernels.small_m_launch(m, 2048, 2048, 2).block_m for m in (1, 16, 17, 33, 64)] == [
+    assert [kernels.small_m_launch(m, 2048, 2048, 2, 132).block_m for m in (1, 16, 17, 33, 64)] == [
         16,
         16,
         32,
@@ -163,10 +163,10 @@ def test_small_m_launch_tiles_every_row_and_beyond_takes_the_invariant_launch(de
     ]
     for bad in (0, kernels.SMALL_M + 1):
         with pytest.raises(ValueError, match="small_m_launch: M"):
-            kernels.small_m_launch(bad, 64, 64, 2)
+            kernels.small_m_launch(bad, 64, 64, 2, 132)
     x, w, _ = (t.to(device) for t in _inputs(kernels.SMALL_M + 1, 24, 40, torch.float32, seed=8))
     assert torch.equal(kernels.linear(x, w, invariant=False), kernels.linear(x, w))
-    assert kernels.small_m_launch(1, 1344, 2048, 2) != kernels.launch_config(1344, 2048, 2)
+    assert kernels.small_m_launch(1, 1344, 2048, 2, 132) != kernels.launch_config(1344, 2048, 2)
 
 
 def test_small_m_wins_at_one_row_tile_or_a_small_weight():

@@ -45,13 +45,13 @@ import triton.language as tl
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels._align import aligned, stride_align
+from kdtree_engine.kernels._device import device_multiprocessors
 from kdtree_engine.kernels._pdl import wait_then_release
 from kdtree_engine.ref.linear import check_linear_args, linear_ref
 
 BLOCK_M = 16
 SMALL_M = 64  # the most rows of the small-M launch
 SMALL_WEIGHT = 4 << 20  # bytes: a weight this small is read in a launch's fixed time at any M <= SMALL_M
-SMS_HINT = 132  # multiprocessors of the GPUs the small-M launch is shaped for (H100 / H200)
 
 
 @dataclass(frozen=True)
@@ -74,14 +74,15 @@ def launch_config(n: int, k: int, itemsize: int) -> Launch:
     return Launch(block_n, block_k, num_warps=4, num_stages=4)
 
 
-def small_m_launch(m: int, n: int, k: int, itemsize: int) -> Launch:
-    """The small-M launch for M <= SMALL_M rows of a weight [n, k]: one row tile of every row, 16-column
-    blocks where 32-column ones would leave most multiprocessors idle, 128 bytes of a weight row per
-    step (256 where K allows and the row tile is small), four steps in flight."""
+def small_m_launch(m: int, n: int, k: int, itemsize: int, sms: int) -> Launch:
+    """The small-M launch for M <= SMALL_M rows of a weight [n, k] on a GPU of `sms` multiprocessors: one
+    row tile of every row, 16-column blocks where 32-column ones would give fewer than two programs a
+    multiprocessor, 128 bytes of a weight row per step (256 where K allows and the row tile is small),
+    four steps in flight."""
     if not 0 < m <= SMALL_M:
         raise ValueError(f"small_m_launch: M must be in 1..{SMALL_M}, got {m}")
     block_m = max(16, triton.next_power_of_2(m))
-    block_n = 16 if triton.cdiv(n, 32) < 2 * SMS_HINT else 32
+    block_n = 16 if triton.cdiv(n, 32) < 2 * sms else 32
     step = 256 if block_m <= 16 else 128
     block_k = min(step // itemsize, max(16, triton.next_power_of_2(k)))
     return Launch(block_n, block_k, num_warps=4, num_stages=4, block_m=block_m)
@@ -147,7 +148,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     if invariant or m > SMALL_M:
         cfg = launch_config(n, k, x.element_size())
     else:
-        cfg = small_m_launch(m, n, k, x.element_size())
+        cfg = small_m_launch(m, n, k, x.element_size(), device_multiprocessors(x.device))
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), nb)
     read = (x.stride(1), y.stride(1)) + ((x.stride(0), y.stride(0)) if nb > 1 else ())  # one batch: unread
     _linear_kernel[grid](

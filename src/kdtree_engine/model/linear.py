@@ -44,15 +44,12 @@ def project(x: torch.Tensor, layer: nn.Linear, gemm: Gemm) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gemm: Gemm) -> torch.Tensor:
     """F.linear(x, weight, bias), or one of our GEMMs by `gemm` (imported lazily: triton is optional).
     The small-M GEMM reads the weight before its PDL wait: `weight` is a parameter."""
-    if gemm == "invariant":
-        from kdtree_engine.kernels.linear import linear as kernel_linear
+    small = gemm == "small_m" and _small_m(x, x.numel() // max(1, x.shape[-1]), weight)
+    if gemm != "invariant" and not small:
+        return F.linear(x, weight, bias)
+    from kdtree_engine.kernels.linear import linear as kernel_linear
 
-        return kernel_linear(x, weight, bias)
-    if gemm == "small_m" and _small_m(x, x.numel() // max(1, x.shape[-1]), weight):
-        from kdtree_engine.kernels.linear import linear as kernel_linear
-
-        return kernel_linear(x, weight, bias, invariant=False, weight_first=True)
-    return F.linear(x, weight, bias)
+    return kernel_linear(x, weight, bias, invariant=not small, weight_first=small)
 
 
 def per_head_into(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, gemm: Gemm) -> torch.Tensor:
