@@ -231,7 +231,8 @@ if [ "$what" = pdl-rest ]; then
     tests/kernels/test_tree_compile_accept.py tests/kernels/test_tree_sampling.py \
     tests/kernels/test_tree_sampling_seeded.py tests/kernels/test_tree_topk_gpu.py tests/kernels/test_cache_compact.py \
     tests/kernels/test_round_report.py tests/kernels/test_linear.py tests/kernels/test_mla_attention_invariant.py \
-    tests/kernels/test_sglang_attention_metadata.py tests/drafter tests/model/test_row_invariance.py \
+    tests/kernels/test_sglang_attention_metadata.py tests/kernels/test_round_commit.py tests/model/test_gemm_mode.py \
+    tests/drafter tests/model/test_row_invariance.py \
     -p no:cacheprovider "${xdist[@]}" -rs 2>&1 | tee "$R/pdl_rest_tests.log" | tail -8 || status=1
   bench_small_b1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results

@@ -234,9 +234,21 @@ def _store_block(job, acc, m_i, l_i, b, blk, rb, v_lo, v_hi, col0, D_C: gl.const
 
 
 @gluon.jit
-def _tree_mask(s, job, b, rows, pos, prefix, seqlen, MASK_MODE: gl.constexpr):
+def _row_bits(job, b, rows, MASK_MODE: gl.constexpr):
+    """The ancestor bits of query rows `rows` of request b (one int64 per row: its node's), loaded once
+    per row block, before its tiles, so that no tile waits for them; 0 in the other mask modes."""
+    if MASK_MODE == CAUSAL or MASK_MODE == VISIBILITY:
+        return gl.zeros_like(rows).to(gl.int64)
+    else:
+        node = rows // job.H
+        return gl.load(job.vis_ptr + b.to(gl.int64) * job.stride_vb + node, mask=rows < job.M, other=0)
+
+
+@gluon.jit
+def _tree_mask(s, job, b, rows, bits, pos, prefix, seqlen, MASK_MODE: gl.constexpr):
     """Scores s [BM, BN] of a tile that reaches the tree or the end of the request, -inf where not
-    visible: slots past seqlen, and tree slots j = pos - prefix that row (node rows // H) does not see."""
+    visible: slots past seqlen, and tree slots j = pos - prefix that row (node rows // H) does not see.
+    bits: the rows' ancestor bits (_row_bits) in that mask mode."""
     j = pos - prefix  # [BN]
     node = rows // job.H  # [BM]
     row_ok = rows < job.M
@@ -247,7 +259,6 @@ def _tree_mask(s, job, b, rows, pos, prefix, seqlen, MASK_MODE: gl.constexpr):
     elif MASK_MODE == CAUSAL:
         tree = ok & (j[None, :] <= node[:, None])
     else:
-        bits = gl.load(job.vis_ptr + b.to(gl.int64) * job.stride_vb + node, mask=row_ok, other=0)
         shift = gl.minimum(gl.maximum(j, 0), 63).to(gl.int64)
         tree = ok & (((bits[:, None] >> shift[None, :]) & 1) != 0)
     return gl.where(tree | (j < 0)[None, :], s, float("-inf"))
@@ -409,6 +420,7 @@ def _wg0(job, sm, cst):
         _stage_q(job, sm, b, blk, D_C, D_R, ld)
 
         rows = blk * BM + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+        bits = _row_bits(job, b, rows, MASK_MODE)
         acc = gl.zeros([BM, HALF], gl.float32, o_layout)
         m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
@@ -439,7 +451,7 @@ def _wg0(job, sm, cst):
             _issue_group(job, cst, sm.full_r, sm.kr_smem, g + 2, i + 2, n, v_lo, b, seqlen, kv_rows, kv_ok,
                          D_C // 64, 1)  # fmt: skip
             if v >= n_free:
-                s = _tree_mask(s, job, b, rows, v * BN + cols, prefix, seqlen, MASK_MODE)
+                s = _tree_mask(s, job, b, rows, bits, v * BN + cols, prefix, seqlen, MASK_MODE)
             s = s * job.qk_scale
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
