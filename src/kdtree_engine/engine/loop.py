@@ -389,22 +389,17 @@ class _Stages:
         vin = compile_tree(tree, s.bonus, s.start, impl=run.impl, validate=False)
         # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
         pos = vin.positions if run.limit is None else vin.positions.clamp(max=run.limit - 1)
-        self.inputs[n] = (vin.input_ids, pos, vin.visibility, vin.ancestor_bits)
+        self.inputs[n] = (vin.input_ids, pos, vin.visibility)
 
-    def _first(
-        self, n: int
-    ) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(tree, input_ids, positions, visibility, ancestor bits or None) of bucket n."""
+    def _first(self, n: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tree, input_ids, positions, visibility) of bucket n."""
         return self.trees[n], *self.inputs[n]
 
     def verify(self, n: int) -> None:
-        """The target on bucket n's tree; its attention reads the ancestor bits where the tree has them
-        (at most 64 nodes with the root: one word per query row instead of the t x t visibility)."""
         run, s = self.run, self.s
-        _, ids, positions, visibility, bits = self._first(n)
+        _, ids, positions, visibility = self._first(n)
         out = run.target(ids, s.cache, positions=positions, visibility=visibility, capture_layers=run.capture,
-                         impl=run.impl, validate=False, row_invariant=run.config.row_invariant,
-                         ancestor_bits=bits)  # fmt: skip
+                         impl=run.impl, validate=False, row_invariant=run.config.row_invariant)  # fmt: skip
         setattr(self, f"out_{n}", out)  # logits [B, n + 1, V], hidden [B, n + 1, F]
 
     def accept(self, n: int) -> None:
@@ -412,7 +407,7 @@ class _Stages:
         their features for the drafter, the committed tokens (accepted nodes after the root, then the
         bonus token), the bonus token and the cache length."""
         s, out, run = self.s, getattr(self, f"out_{n}"), self.run
-        tree, ids, *_ = self._first(n)
+        tree, ids, _, _ = self._first(n)
         acc = self._choose(tree, out.logits)
         count = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
         s.cache.compact(s.start, acc.accepted, count, validate=False, impl=run.impl)

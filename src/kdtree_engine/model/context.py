@@ -26,10 +26,7 @@ class ForwardContext:
     validate: False keeps every host read out (CUDA graph capture; the Hopper schedule is then computed
     on the device); invariant: on the kernel path, every op computes a token's row with an order that
     does not depend on the rest of the launch (the forward's `row_invariant`; issue 32); rows_hint: the
-    cache's (LatentKVCache.rows_hint), the plan's length hint with the forward's t added;
-    ancestor_bits [b, t] int64 (t <= 64): the same tree as visibility, bit j of row i set where row i
-    sees new token j; the kernel path's attention reads these (one word per query row, once per row
-    block) instead of the t x t bytes of visibility.
+    cache's (LatentKVCache.rows_hint), the plan's length hint with the forward's t added.
     """
 
     config: ModelConfig
@@ -42,7 +39,6 @@ class ForwardContext:
     validate: bool = True
     invariant: bool = False
     rows_hint: int | None = None
-    ancestor_bits: torch.Tensor | None = None
     plan: AttentionPlan | None = field(default=None, init=False)
 
     @functools.cached_property
@@ -77,20 +73,13 @@ class ForwardContext:
         """[b, t] int64 cache rows written."""
         return self.start[:, None] + torch.arange(self.t, device=self.start.device)
 
-    def _tree(self) -> dict:
-        """The tree for plan_attention: the ancestor bits where the kernel path can read them (not the
-        row-invariant mode, whose per-node tables come from the visibility), else the visibility."""
-        if self.ancestor_bits is not None and self.kernels and not self.row_invariant:
-            return {"ancestor_bits": self.ancestor_bits}
-        return {"visibility": self.visibility}
-
     def attend(self, q: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
         """q [b, t, h, r + d_r], kv_layer [b, max_len, r + d_r] -> latent output [b, t, h, r]."""
         if self.plan is None:
             c = self.config
             hint = self.rows_hint + self.t if self.rows_hint else None
             self.plan = plan_attention(q, kv_layer, self.start + self.t, softmax_scale=c.softmax_scale,
-                                       d_v=c.kv_lora_rank, impl=self.impl, validate=self.validate,
-                                       invariant=self.row_invariant, length_hint=hint,
-                                       **self._tree())  # fmt: skip
+                                       d_v=c.kv_lora_rank, visibility=self.visibility, impl=self.impl,
+                                       validate=self.validate, invariant=self.row_invariant,
+                                       length_hint=hint)  # fmt: skip
         return self.plan.run(q, kv_layer)[0]

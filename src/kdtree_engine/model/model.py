@@ -17,26 +17,6 @@ from kdtree_engine.model.context import ForwardContext
 from kdtree_engine.model.linear import project
 from kdtree_engine.model.mla import MLAttention, RMSNorm
 from kdtree_engine.model.moe import MLP, MoE
-from kdtree_engine.ref.mla_attention import bits_to_visibility
-
-MAX_ANCESTOR_BITS = 64  # a tree of more new tokens has no ancestor bits (one int64 word per row)
-
-
-def _check_ancestor_bits(bits, visibility, b: int, t: int, check_values: bool) -> None:
-    """ancestor_bits: [b, t] int64 beside a visibility, t <= 64; with check_values, the same tree."""
-    if bits is None:
-        return
-    if visibility is None:
-        raise ValueError("ancestor_bits: given without visibility (the reference path reads the visibility)")
-    if t > MAX_ANCESTOR_BITS:
-        raise ValueError(f"ancestor_bits: a tree of {t} new tokens has none (at most {MAX_ANCESTOR_BITS})")
-    if not isinstance(bits, torch.Tensor) or bits.shape != (b, t) or bits.dtype != torch.int64:
-        got = f"{tuple(bits.shape)} {bits.dtype}" if isinstance(bits, torch.Tensor) else type(bits).__name__
-        raise ValueError(f"ancestor_bits: expected [{b}, {t}] int64, got {got}")
-    if bits.device != visibility.device:
-        raise ValueError(f"ancestor_bits: on {bits.device}, visibility on {visibility.device}")
-    if check_values and not torch.equal(bits_to_visibility(bits, t), visibility):
-        raise ValueError("ancestor_bits: not the tree of visibility (bit j of row i is visibility[:, i, j])")
 
 
 @dataclass
@@ -123,7 +103,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         logits_rows: torch.Tensor | None = None,
         validate: bool = True,
         row_invariant: bool = False,
-        ancestor_bits: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run t new tokens per request on top of the cached prefix.
 
@@ -138,14 +117,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         row_invariant: on the kernel path, every op computes a token's row with an order that does not
         depend on the rest of the launch (issue 32): a tree node then gets the bits of the same token
         decoded alone after its ancestors, and a request those it gets alone.
-        ancestor_bits [b, t] int64 (t <= 64, with visibility): the same tree as visibility, bit j of row
-        i = visibility[:, i, j] (tree.compile_tree's VerifyInputs.ancestor_bits); the kernel path's
-        attention then reads one word per query row instead of the t x t mask. Validation checks that
-        they agree with visibility.
         """
         check_values = validate and not capturing(input_ids.device)
         b, t = self._check_inputs(input_ids, cache, positions, visibility, lengths, capture_layers)
-        _check_ancestor_bits(ancestor_bits, visibility, b, t, check_values)
         if check_values:
             self._check_values(cache, t, lengths, logits_rows)
         elif logits_rows is not None and logits_rows.shape != (b,):
@@ -156,13 +130,12 @@ class DeepseekV3ForCausalLM(nn.Module):
             positions = start[:, None] + torch.arange(t, device=dev)
         if visibility is not None:
             visibility = visibility.to(dev)
-            ancestor_bits = None if ancestor_bits is None else ancestor_bits.to(dev)
         elif not row_invariant:  # the row-invariant attention takes a causal forward as such (no table)
             visibility = self.causal_mask(t).expand(b, t, t)
         x = self.embed_tokens(input_ids.to(dev))  # [b, t, hidden]
         cos, sin = rope.cos_sin(self.config, self.rope_inv_freq(), positions.to(dev), x.dtype)
         ctx = ForwardContext(self.config, impl, start, t, visibility, cos, sin, check_values, row_invariant,
-                             cache.rows_hint, ancestor_bits)  # fmt: skip
+                             cache.rows_hint)  # fmt: skip
         captured, delta = {}, None
         for i, layer in enumerate(self.layers):
             x, h = layer.input_layernorm.add_norm(x, delta, ctx.op_impl)  # x: layer i - 1's output
