@@ -75,8 +75,10 @@ def plan_attention(
     kv_cache [b, s_max, d_v + d_r] contiguous per request, or [pages, page_size, d_v + d_r] with
     block_table [b, max_pages] int32/int64; cache_seqlens [b] int: slots in use, prefix + t (the tree is
     the last t); visibility [b, t, t] bool or ancestor_bits [b, t] int64 (t <= 64); neither: causal.
-    Row i of the mask must see itself. impl: None, "ref", "triton" or "hopper" (kdtree_engine.impl).
-    validate: check the values (lengths, diagonal, pages) with one host sync; skipped while a CUDA
+    Row i of the mask must see itself and no later node (j <= i: ancestors first, as every tree builder
+    emits them); the kernels stop each row block's tiles at its last node's slot. impl: None, "ref",
+    "triton" or "hopper" (kdtree_engine.impl).
+    validate: check the values (lengths, diagonal and order, pages) with one host sync; skipped while a CUDA
     graph is captured. max_seqlen: a bound on cache_seqlens when known (validation finds it); it steers
     the split count and lets the plan skip a merge that has nothing to merge. num_splits: force the KV
     range of each row block into that many pieces (tests). invariant: the row-invariant mode of the Triton
@@ -243,10 +245,14 @@ def _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_t
     seq = cache_seqlens.long()
     checks = [seq.min(), seq.max()]
     rows = torch.arange(t, device=q.device)
+    trees = []  # (name, mask [b, t, t]) of the given tree
     if visibility is not None:
-        checks.append(visibility[:, rows, rows].all().long())
+        trees.append(("visibility", visibility))
     if ancestor_bits is not None:
-        checks.append(((ancestor_bits >> rows) & 1).bool().all().long())
+        trees.append(("ancestor_bits", ref.bits_to_visibility(ancestor_bits, t)))
+    for _, tree in trees:
+        checks.append(tree[:, rows, rows].all().long())
+        checks.append((~torch.triu(tree, diagonal=1).any()).long())
     if block_table is not None:
         page = kv_cache.shape[1]
         used = torch.arange(block_table.shape[1], device=q.device) * page < seq[:, None]  # [b, max_pages]
@@ -259,9 +265,10 @@ def _check_values(q, kv_cache, cache_seqlens, visibility, ancestor_bits, block_t
         "cache_seqlens",
         f"expected t = {t} <= length <= capacity {capacity}, got {values[0]}..{values[1]}",
     )
-    names = ["visibility"] * (visibility is not None) + ["ancestor_bits"] * (ancestor_bits is not None)
-    for name, ok in zip(names, values[2:]):
-        _expect(bool(ok), name, "every row must see itself (diagonal must be set)")
+    for k, (name, _) in enumerate(trees):
+        _expect(bool(values[2 + 2 * k]), name, "every row must see itself (diagonal must be set)")
+        _expect(bool(values[3 + 2 * k]), name, "row i sees a later node j > i (a tree's nodes must come "
+                "ancestors first)")  # fmt: skip
     if block_table is not None:
         _expect(bool(values[-1]), "block_table", f"a used entry is outside 0..{kv_cache.shape[0] - 1}")
     return values[1]

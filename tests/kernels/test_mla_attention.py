@@ -233,6 +233,23 @@ def test_bad_inputs_raise(name):
         tree_mla_attention(q, kwargs.pop("kv_cache"), kwargs.pop("cache_seqlens"), impl="ref", **kwargs)
 
 
+@pytest.mark.parametrize("form", ["visibility", "ancestor_bits"])
+def test_a_row_that_sees_a_later_node_is_refused(form):
+    """The kernels stop a row block's tiles at its last node's slot, so a tree must list every ancestor
+    before its node: node 0 seeing node 3 is refused, naming the argument (the diagonal is intact)."""
+    args = _valid("cpu")
+    vis = args.pop("visibility").clone()
+    vis[1, 0, 3] = True
+    tree = (
+        {"visibility": vis}
+        if form == "visibility"
+        else {"ancestor_bits": (vis.long() << torch.arange(4)).sum(-1)}
+    )
+    with pytest.raises(ValueError, match=f"^{form}: row i sees a later node"):
+        tree_mla_attention(args["q"], args["kv_cache"], args["cache_seqlens"], softmax_scale=0.1, d_v=32,
+                           impl="ref", **tree)  # fmt: skip
+
+
 def test_too_long_and_both_masks_raise():
     args = _valid("cpu")
     with pytest.raises(ValueError, match="cache_seqlens"):

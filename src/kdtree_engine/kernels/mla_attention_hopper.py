@@ -197,19 +197,18 @@ def _row_blocks(job):
 
 
 @gluon.jit
-def _block(job, rb, MASK_MODE: gl.constexpr):
+def _block(job, rb):
     """Row block rb of this program: (b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free). Its tiles
     in this program are v_lo .. v_hi - 1, those holding slots a row may see v_lo .. v_end - 1; tiles
-    below n_free lie wholly inside the prefix (no mask). Causal: no row sees past its block's last node."""
+    below n_free lie wholly inside the prefix (no mask). No row sees past its block's last node (causal, and
+    a tree's nodes come ancestors first: plan_attention's contract), so its tiles stop there."""
     blk = rb // job.B  # plane-major: row block blk of request b
     b = rb - blk * job.B
     v_lo = gl.maximum(job.u0 - rb * job.NT, 0)
     v_hi = gl.minimum(job.u1 - rb * job.NT, job.NT)
     seqlen = gl.load(job.seqlens_ptr + b).to(gl.int32)
     prefix = seqlen - job.T
-    seen = seqlen
-    if MASK_MODE == CAUSAL:
-        seen = prefix + gl.minimum((blk * BM + BM - 1) // job.H, job.T - 1) + 1
+    seen = prefix + gl.minimum((blk * BM + BM - 1) // job.H, job.T - 1) + 1
     v_end = gl.minimum(v_hi, gl.cdiv(seen, BN))
     return b, blk, v_lo, v_hi, v_end, seqlen, prefix, prefix // BN
 
@@ -407,7 +406,7 @@ def _wg0(job, sm, cst):
     rb_first, count = _row_blocks(job)
     for j in range(count):  # row blocks last first: each program starts at tile 0 of a row block
         rb = rb_first + count - 1 - j
-        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb, MASK_MODE)
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb)
         n = gl.maximum(v_end - v_lo, 0)
         for i in gl.static_range(2):  # the first two tiles' groups of this partition
             kv_rows, kv_ok = _gather_rows(job, b, (v_lo + i) * BN, seqlen, GATHER)
@@ -492,7 +491,7 @@ def _wg1(job, sm, cst):
     rb_first, count = _row_blocks(job)
     for j in range(count):
         rb = rb_first + count - 1 - j
-        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb, cst.MASK_MODE)
+        b, blk, v_lo, v_hi, v_end, seqlen, prefix, n_free = _block(job, rb)
         n = gl.maximum(v_end - v_lo, 0)
         for i in gl.static_range(2):
             kv_rows, kv_ok = _gather_rows(job, b, (v_lo + i) * BN, seqlen, GATHER)

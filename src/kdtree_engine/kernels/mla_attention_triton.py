@@ -232,7 +232,8 @@ def _split_kv_kernel(
         chunk = CHUNK
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
-    if MASK_MODE == 2:  # causal (prefill): no row of this block sees past its last node
+    if MASK_MODE == 2 or not INVARIANT:  # no row of this block sees past its last node (a tree's nodes come
+        # ancestors first: plan_attention's contract); the row-invariant mode keeps its fixed boundaries
         hi = tl.minimum(hi, prefix + tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // H, T - 1) + 1)
     shared_end = tl.minimum(hi, prefix)  # tiles below it are the prefix's
     if TREE_TAIL:
