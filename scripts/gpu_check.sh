@@ -24,6 +24,8 @@
 # engine's, then scripts/probe_pdl.py and the 2.5B forward's profiles with PDL and without (issue 27).
 # "pdl-rest" runs the GPU tests of the kernels given PDL after the "pdl" call (drafter, tree, row-invariant,
 # SGLang metadata), then the 2.5B bench at batch 1.
+# "tree-bound" runs the attention kernels' GPU tests and the SGLang backend's against SGLang's extend kernel,
+# then both targets' bench at batch 1, budget 32 (with out/base/src, an earlier copy, first: the baseline).
 # "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
@@ -235,6 +237,32 @@ if [ "$what" = pdl-rest ]; then
     tests/drafter tests/model/test_row_invariance.py \
     -p no:cacheprovider "${xdist[@]}" -rs 2>&1 | tee "$R/pdl_rest_tests.log" | tail -8 || status=1
   bench_small_b1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = tree-bound ]; then
+  # the tile bound for trees (a row block stops at its last node's slot, commit 02ab9b3): the attention
+  # kernels' GPU tests, the SGLang backend's against SGLang's Triton extend kernel (carry .peers), then
+  # both targets' bench at batch 1, budget 32; with a copy of an earlier src at out/base/src (carry
+  # out/base) the same bench runs on it first: the baseline of the same call
+  timeout "${T_KT:-130}" python3 -m pytest -q -m gpu tests/kernels/test_mla_attention.py -p no:cacheprovider \
+    "${xdist[@]}" -rs 2>&1 | tee "$R/attention_tests.log" | tail -8 || status=1
+  KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-60}" python3 -m pytest -q -m gpu \
+    tests/integrations/test_sglang_extend.py -p no:cacheprovider -rs 2>&1 | tee "$R/sglang_extend_tests.log" \
+    | tail -5 || status=1
+  versions=(new)
+  if [ -d out/base/src ]; then
+    ln -sfn "$PWD/src/kdtree_engine/assets" out/base/src/kdtree_engine/assets
+    versions=(base new)
+  fi
+  for v in "${versions[@]}"; do
+    path=src; [ "$v" = base ] && path=out/base/src
+    for target in small nano; do
+      PYTHONPATH=$path timeout "${T_E2E:-60}" python3 -m kdtree_engine bench e2e --target $target --batch 1 \
+        --temperatures 0 --budgets 32 --prompts 8 --out "$R/${target}_$v" 2>&1 \
+        | tee "$R/bench_${target}_$v.log" | grep -E '^\| 1 \| (0|decode|verify|draft) ' || status=1
+    done
+  done
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
