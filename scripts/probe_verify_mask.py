@@ -26,18 +26,23 @@ LAYERS = 12
 SHAPES = ("1,33,129", "1,33,97", "1,16,112", "1,65,161", "4,33,129", "1,1,97")
 
 
+def tree_kwargs(tree: str, vis: torch.Tensor) -> dict:
+    """plan_attention's tree argument for one form of the same tree."""
+    if tree == "visibility":
+        return {"visibility": vis}
+    return {"ancestor_bits": visibility_to_bits(vis)} if tree == "bits" else {}
+
+
 def layer_calls(b: int, t: int, s: int, tree: str, impl: str | None, on_device: bool):
-    """LAYERS planned calls on distinct random problems, and the kernel the plan chose."""
+    """LAYERS planned calls on distinct random problems, and the kernel the plan chose (None, None for
+    bits of a tree of more than 64 nodes, which has none)."""
+    if tree == "bits" and t > 64:
+        return None, None
     calls, kernel = [], None
     for seed in range(LAYERS):
         p = make_problem(b, t, HEADS, s, 0, torch.device("cuda"), seed=seed)
-        masks = {"visibility": {"visibility": p["vis"]}, "causal": {}}
-        if t <= 64:
-            masks["bits"] = {"ancestor_bits": visibility_to_bits(p["vis"])}
-        if tree not in masks:
-            return None, None
         plan = plan_attention(p["q"], p["kv"], p["lengths"], softmax_scale=SCALE, d_v=512, impl=impl,
-                              validate=not on_device, **masks[tree])  # fmt: skip
+                              validate=not on_device, **tree_kwargs(tree, p["vis"]))  # fmt: skip
         calls.append(lambda plan=plan, p=p: plan.run(p["q"], p["kv"]))
         kernel = plan.kernel
     return calls, kernel
