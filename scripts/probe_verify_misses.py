@@ -6,7 +6,10 @@ kernel everywhere, 10x from 4k prefixes), taken apart on the same inputs as `ben
 - meta: our metadata launch alone (kernels/sglang_attention.py);
 - run_hopper / run_triton: one later layer with each of our kernels (the plan made);
 - kernel_hopper: the Hopper kernel alone (run_hopper without the merge of cut row blocks), and the
-  host schedule it ran (tiles, per, units, cuts, groups).
+  host schedule it ran (tiles, per, units, cuts, groups);
+- run_cut{k}: the Hopper kernel and its merge with each row block cut into k pieces instead of the
+  balanced schedule (k = 1: one program per row block, no merge), and its programs: whether fewer,
+  longer programs without the merge beat the balanced schedule at these small points.
 
 Timing: bench.timing.time_graph (CUDA-graph replays, L2 flushed, median). One json line per point, and
 probe_misses.json in OUT_DIR.
@@ -29,6 +32,7 @@ POINTS = [  # (h, t, prefix, b): the section's misses (docs/sglang.md), then two
     (8, 9, 1024, 16), (8, 17, 1024, 16), (8, 9, 4096, 16), (8, 17, 4096, 16), (8, 17, 8192, 16),
     (8, 33, 4096, 16), (64, 33, 1024, 1), (64, 33, 4096, 1), (8, 9, 1024, 64), (64, 9, 4096, 16),
 ]  # fmt: skip
+CUTS = (1, 2, 3)  # the pieces per row block of the forced schedules timed beside the balanced one
 
 
 def measure(extend, compile_fn, h: int, t: int, prefix: int, b: int) -> dict:
@@ -65,7 +69,12 @@ def kernel_alone(ours: OursVerify) -> dict:
     out = torch.empty(p.b, p.t, p.h, p.d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.b, p.t, p.h, dtype=torch.float32, device=q.device)
     us = time_graph(lambda: hopper._launch_kernel(launch, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
-    return {"kernel_hopper_us": round(us, 1), "schedule": list(launch.host or ()), "merge": launch.merge}
+    row = {"kernel_hopper_us": round(us, 1), "schedule": list(launch.host or ()), "merge": launch.merge}
+    for k in CUTS:
+        forced = hopper.plan(p, q.device, ours.backend.forward_metadata.max_seqlen, forced=k)
+        us = time_graph(lambda f=forced: hopper.run(f, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
+        row[f"run_cut{k}_us"], row[f"programs_cut{k}"] = round(us, 1), forced.programs
+    return row
 
 
 def main() -> None:
