@@ -8,11 +8,7 @@ computes the whole attention of those rows over its tiles: tiles inside the pref
 the rest with the tree mask (visibility, ancestor bits or causal) and with the slots past the
 request's length zeroed. A row block covered by one program is written final; a cut one is written
 as float32 pieces (slot 2c for program c's first row block, 2c + 1 for its last) and merged by
-log-sum-exp. Where every program of the grid is resident at once (at most one per multiprocessor, as
-every schedule but a test's forced one is), the programs merge at the kernel's end themselves: each
-counts its pieces in on a per-row-block counter, waits until the row block's last piece is in, and
-merges a share of its rows (a stream-K style fix-up; no merge launch). Otherwise a merge launch
-follows the kernel (kernels/mla_attention_merge.py).
+log-sum-exp afterwards (kernels/mla_attention_merge.py).
 
 The two warpgroups have roles (gl.warp_specialize), as in FlashMLA:
 - warpgroup 0 stages Q, computes the whole score tile S = Q K^T [64, 64] (a row never leaves its
