@@ -358,31 +358,6 @@ def test_gpu_hopper_schedule(device, mask, splits, t, h, page):
           num_splits=splits, force_hopper=True)  # fmt: skip
 
 
-# The Hopper kernel's programs merge the row blocks they cut themselves (no merge launch) when the grid
-# is resident: few pieces a row block (8 rows x 4 pieces a round), many (decode over 8k slots at batch 1:
-# 32 pieces, a row and 32 pieces a round), SGLang's pages of 1; the counters are left at zero, so the
-# plan's next layers (here: the same layer run again) merge as correctly.
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,t,h,prefixes,page", [(1, 1, 64, [8191], None), (2, 9, 8, [1000, 3000], None),
-                                                 (4, 17, 8, [1024, 40, 4000, 700], 1), (1, 33, 64, [1024], 1),
-                                                 (3, 5, 16, [20000, 64, 5], 64)])  # fmt: skip
-def test_gpu_hopper_merges_cut_row_blocks_in_kernel(device, b, t, h, prefixes, page):
-    if not _hopper(device):
-        pytest.skip("the Hopper kernel needs a compute capability 9.x GPU")
-    gen = torch.Generator().manual_seed(b * t + h)
-    q, kv, lengths, vis, _, bt = make_inputs(b, t, h, 512, 64, prefixes, torch.bfloat16, page, "random", gen)
-    want_out, want_lse = ref.tree_mla_attention(q, kv, lengths, vis, 0.06, 512, bt)
-    q, kv, lengths, vis, bt = (x.cuda() if x is not None else None for x in (q, kv, lengths, vis, bt))
-    plan = plan_attention(q, kv, lengths, softmax_scale=0.06, d_v=512, visibility=vis, block_table=bt,
-                          impl="hopper")  # fmt: skip
-    assert plan.kernel == "hopper" and plan.launch.merge and plan.launch.fused, plan.launch
-    for _ in range(3):
-        out, lse = plan.run(q, kv)
-        assert_close("out", out, want_out, TOL[torch.bfloat16][0])
-        assert_close("lse", lse, want_lse, TOL[torch.bfloat16][1])
-        assert int(plan.launch.counts.abs().sum()) == 0
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,h,page", [("hopper", 64, None), ("hopper", 8, None), ("triton", 8, None),
                                          ("hopper", 8, 1), ("hopper", 64, 1)])  # fmt: skip

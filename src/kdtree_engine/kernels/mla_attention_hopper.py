@@ -60,12 +60,8 @@ BN = gl.constexpr(TILE)
 GATHER_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # a gathered 64 x 64 chunk
 WARPGROUP = gl.constexpr(128)  # threads per warpgroup: the arrivals a gathered group's mbarrier counts
 WORKER_REGS = gl.constexpr(192)  # warpgroup 1's registers per thread (O half: 128); warpgroup 0 gets the rest
-# the in-kernel merge of cut row blocks: a row block of at most FEW_PIECES pieces is folded MERGE_ROWS
-# rows and 4 pieces a round, one of more pieces a row and MANY_PIECES pieces a round (loads in flight)
-MERGE_ROWS = gl.constexpr(8)
-FEW_PIECES = gl.constexpr(16)
-MANY_PIECES = gl.constexpr(32)
-MERGE_LD = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0]))  # [rows or pieces, D_C] float32
+MERGE_ROWS = gl.constexpr(8)  # rows of a cut row block folded per round of the in-kernel merge
+MERGE_LD = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0]))  # [MERGE_ROWS, D_C] float32
 
 
 @functools.lru_cache(maxsize=16)
@@ -564,8 +560,8 @@ def _piece(job, rb, c, valid, local, row_ok, cols, per, units, groups, D_C: gl.c
 def _merge_share(job, count_ptr, rb, per, units, groups, D_C: gl.constexpr):
     """This program's share of the merge of cut row block rb: once all n programs that met it have
     counted their pieces in, rows i * cdiv(BM, n) .. of the block (i: this program among the n) get
-    the log-sum-exp merge of the n pieces. Then it counts itself out; the last one out resets the
-    count to 0 for the next launch (the count reaches n, then 2n)."""
+    the log-sum-exp merge of the n pieces, four pieces per round of loads. Then it counts itself out;
+    the last one out resets the count to 0 for the next launch (the count reaches n, then 2n)."""
     blk = rb // job.B
     b = rb - blk * job.B
     first = gl.where(groups > 0, b * job.NT, rb * job.NT)  # rb's first unit in its programs' numbering
@@ -576,21 +572,6 @@ def _merge_share(job, count_ptr, rb, per, units, groups, D_C: gl.constexpr):
     share = gl.cdiv(BM, n)
     lo = (job.c - c0) * share
     hi = gl.minimum(lo + share, BM)
-    sched = (c0, n, per, units, groups)
-    if n <= FEW_PIECES:
-        _fold_rows(job, rb, blk, b, lo, hi, sched, D_C)
-    else:
-        _fold_pieces(job, rb, blk, b, lo, hi, sched, D_C)
-    gl.thread_barrier()
-    if gl.atomic_add(count_ptr + rb, 1, sem="relaxed", scope="gpu") == 2 * n - 1:
-        gl.atomic_xchg(count_ptr + rb, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
-def _fold_rows(job, rb, blk, b, lo, hi, sched, D_C: gl.constexpr):
-    """Rows lo .. hi - 1 of row block rb merged from its few pieces: MERGE_ROWS rows and four pieces
-    per round of loads (their loads in flight together), folded online."""
-    c0, n, per, units, groups = sched
     cols = gl.arange(0, D_C, gl.SliceLayout(0, MERGE_LD))
     for r0 in range(lo, hi, MERGE_ROWS):
         local = r0 + gl.arange(0, MERGE_ROWS, gl.SliceLayout(1, MERGE_LD))
@@ -598,7 +579,7 @@ def _fold_rows(job, rb, blk, b, lo, hi, sched, D_C: gl.constexpr):
         m = gl.full([MERGE_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, MERGE_LD))
         total = gl.zeros([MERGE_ROWS], gl.float32, gl.SliceLayout(1, MERGE_LD))
         acc = gl.zeros([MERGE_ROWS, D_C], gl.float32, MERGE_LD)
-        for s in range(0, n, 4):
+        for s in range(0, n, 4):  # four pieces' loads in flight, then their fold
             l0, x0 = _piece(job, rb, c0 + s, s < n, local, row_ok, cols, per, units, groups, D_C)
             l1, x1 = _piece(job, rb, c0 + s + 1, s + 1 < n, local, row_ok, cols, per, units, groups, D_C)
             l2, x2 = _piece(job, rb, c0 + s + 2, s + 2 < n, local, row_ok, cols, per, units, groups, D_C)
@@ -612,50 +593,16 @@ def _fold_rows(job, rb, blk, b, lo, hi, sched, D_C: gl.constexpr):
             acc = acc + _weighted(w3, x3)
             total = total * alpha + w0 + w1 + w2 + w3
             m = m_new
-        _store_merged(job, acc, m, total, b, blk * BM + local, row_ok, cols, D_C)
-
-
-@gluon.jit
-def _fold_pieces(job, rb, blk, b, lo, hi, sched, D_C: gl.constexpr):
-    """Rows lo .. hi - 1 of row block rb merged from its many pieces: one row and MANY_PIECES pieces
-    per round of loads (a [MANY_PIECES, D_C] tile, folded over its pieces inside each thread)."""
-    c0, n, per, units, groups = sched
-    cols = gl.arange(0, D_C, gl.SliceLayout(0, MERGE_LD))
-    lane = gl.arange(0, MANY_PIECES, gl.SliceLayout(1, MERGE_LD))
-    one = gl.arange(0, 1, gl.SliceLayout(1, MERGE_LD))
-    for r in range(lo, hi):
-        row_ok = blk * BM + r + one < job.M  # [1]
-        m = gl.full([1], float("-inf"), gl.float32, gl.SliceLayout(1, MERGE_LD))
-        total = gl.zeros([1], gl.float32, gl.SliceLayout(1, MERGE_LD))
-        acc = gl.zeros([1, D_C], gl.float32, MERGE_LD)
-        for s0 in range(0, n, MANY_PIECES):
-            c = c0 + s0 + lane  # [MANY_PIECES] programs
-            u0 = _program_u0(c, per, units, job.B * job.NT, groups)
-            row = (2 * c + (u0 // job.NT != rb).to(gl.int32)).to(gl.int64) * BM + r
-            ok = (s0 + lane < n) & (blk * BM + r < job.M)
-            lse = gl.load(job.plse_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            ptrs = job.part_ptr + row[:, None] * D_C + cols[None, :]
-            part = gl.load(ptrs, mask=ok[:, None] & (cols >= 0)[None, :], other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(m, gl.max(lse, 0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            w = gl.exp(lse - m_safe)  # [MANY_PIECES]
-            alpha = gl.exp(m - m_safe)
-            acc = acc * alpha[:, None] + gl.sum(_weighted(w, part), 0)[None, :]
-            total = total * alpha + gl.sum(w, 0)
-            m = m_new
-        _store_merged(job, acc, m, total, b, blk * BM + r + one, row_ok, cols, D_C)
-
-
-@gluon.jit
-def _store_merged(job, acc, m, total, b, rows, row_ok, cols, D_C: gl.constexpr):
-    """Merged rows `rows` of request b: acc / total into out, m + log(total) into lse (-inf for a row
-    no piece saw)."""
-    out = acc / gl.where(total > 0, total, 1.0)[:, None]
-    o_ptrs = job.out_ptr + (b.to(gl.int64) * job.M + rows.to(gl.int64))[:, None] * D_C + cols[None, :]
-    gl.store(o_ptrs, out.to(job.out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols >= 0)[None, :])
-    m_safe = gl.where(m == float("-inf"), 0.0, m)
-    lse = gl.where(total > 0, m_safe + gl.log(gl.where(total > 0, total, 1.0)), float("-inf"))
-    gl.store(job.lse_ptr + b.to(gl.int64) * job.M + rows, lse, mask=row_ok)
+        rows = blk * BM + local
+        out = acc / gl.where(total > 0, total, 1.0)[:, None]
+        o_ptrs = job.out_ptr + (b.to(gl.int64) * job.M + rows.to(gl.int64))[:, None] * D_C + cols[None, :]
+        gl.store(o_ptrs, out.to(job.out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols >= 0)[None, :])
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        lse = gl.where(total > 0, m_safe + gl.log(gl.where(total > 0, total, 1.0)), float("-inf"))
+        gl.store(job.lse_ptr + b.to(gl.int64) * job.M + rows, lse, mask=row_ok)
+    gl.thread_barrier()
+    if gl.atomic_add(count_ptr + rb, 1, sem="relaxed", scope="gpu") == 2 * n - 1:
+        gl.atomic_xchg(count_ptr + rb, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
