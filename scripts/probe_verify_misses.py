@@ -5,10 +5,8 @@ kernel everywhere, 10x from 4k prefixes), taken apart on the same inputs as `ben
 - step: the worker's compile without the mask, our metadata launch and one layer (plan + run);
 - meta: our metadata launch alone (kernels/sglang_attention.py);
 - run_hopper / run_triton: one later layer with each of our kernels (the plan made);
-- kernel_hopper: the Hopper kernel alone (with its in-kernel merge of cut row blocks where the launch
-  is fused), and the host schedule it ran (tiles, per, units, cuts, groups);
-- run_merge_launch: a fused launch run instead with the merge as a launch of its own (the kernel
-  without the in-kernel merge, then kernels/mla_attention_merge.py), on the same schedule;
+- kernel_hopper: the Hopper kernel alone (run_hopper without the merge of cut row blocks), and the
+  host schedule it ran (tiles, per, units, cuts, groups);
 - run_cut{k}: the Hopper kernel and its merge with each row block cut into k pieces instead of the
   balanced schedule (k = 1: one program per row block, no merge), and its programs: whether fewer,
   longer programs without the merge beat the balanced schedule at these small points.
@@ -20,7 +18,6 @@ probe_misses.json in OUT_DIR.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 
@@ -72,16 +69,7 @@ def kernel_alone(ours: OursVerify) -> dict:
     out = torch.empty(p.b, p.t, p.h, p.d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.b, p.t, p.h, dtype=torch.float32, device=q.device)
     us = time_graph(lambda: hopper._launch_kernel(launch, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
-    row = {
-        "kernel_hopper_us": round(us, 1),
-        "schedule": list(launch.host or ()),
-        "merge": launch.merge,
-        "fused": launch.fused,
-    }
-    if launch.fused:
-        apart = dataclasses.replace(launch, counts=None)
-        us = time_graph(lambda: hopper.run(apart, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
-        row["run_merge_launch_us"] = round(us, 1)
+    row = {"kernel_hopper_us": round(us, 1), "schedule": list(launch.host or ()), "merge": launch.merge}
     for k in CUTS:
         forced = hopper.plan(p, q.device, ours.backend.forward_metadata.max_seqlen, forced=k)
         us = time_graph(lambda f=forced: hopper.run(f, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us

@@ -25,19 +25,18 @@ box = gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)
 desc = TensorDescriptor(torch.zeros(128, 576, dtype=torch.bfloat16), [128, 576], [576, 1], [64, 64], box)
 SIG = {"q_ptr": "*bf16", "desc": mangle_type(desc), "kv_ptr": "*bf16", "seqlens_ptr": "*i32",
        "bt_ptr": "*i32", "vis_ptr": "*u8", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_ptr": "*fp32",
-       "plse_ptr": "*fp32", "count_ptr": "*i32", "sched_ptr": "*i32"}
+       "plse_ptr": "*fp32", "sched_ptr": "*i32"}
 SIG.update({name: "i32" for name in ("NT", "PER", "UNITS", "GROUPS", "T", "H", "M", "B")})
 SIG["qk_scale"] = "fp32"
 SIG.update({name: "i32" for name in ("cap", "page_size", "stride_qb", "stride_btb", "stride_vb",
                                       "stride_vi")})
 SIG.update({name: "constexpr" for name in ("D_C", "D_R", "PAGED", "MASK_MODE", "GATHER", "SCHED_ON_DEVICE",
-                                           "FUSED_MERGE", "num_warps")})
+                                           "num_warps")})
 builds = [("visibility", False, 0), ("visibility", True, 0), ("bits", False, 1), ("causal", False, 2)]
 builds += [("gather", True, 0), ("gather-bits", True, 1), ("gather-device", True, 0)]  # pages of 1 (SGLang)
 builds += [("device", False, 0)]  # the schedule read from the device (a captured forward)
 builds += [("ones", False, 1)]  # with the JIT's constexpr specialization of ints equal to 1
 builds += [("pdl", False, 0)]  # launched with programmatic dependent launch (kernels/_pdl.py)
-builds += [("fused-device", False, 0), ("gather-fused", True, 1)]  # the programs merge their cut row blocks
 ONES = ("T", "B", "GROUPS", "page_size", "stride_btb", "NT", "PER")  # t = 1, b = 1, a contiguous cache
 found = {}
 for name, paged, mode in builds:
@@ -48,7 +47,7 @@ for name, paged, mode in builds:
     aligned = [n for n in names if n.endswith("_ptr") or n == "stride_qb"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}  # what the JIT specializes
     cst = {"D_C": 512, "D_R": 64, "PAGED": paged, "MASK_MODE": mode, "GATHER": name.startswith("gather"),
-           "SCHED_ON_DEVICE": name.endswith("device"), "FUSED_MERGE": "fused" in name, "num_warps": 4}
+           "SCHED_ON_DEVICE": name.endswith("device"), "num_warps": 4}
     if name == "ones":  # arguments the partitions get must survive being constexpr
         sig.update({n: "constexpr" for n in ONES})
         cst.update({n: 1 for n in ONES})
@@ -72,7 +71,6 @@ for name, paged, mode in builds:
         "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
         "warps": kernel.metadata.num_warps, "mma": mma, "ldgsts128": cp_async,
         "tma": len(re.findall(r"UTMALDG", sass)), "pdl": kernel.metadata.launch_pdl,
-        "atomics": len(re.findall(r"\bATOMG?\.|\bRED\.", sass)),
         "ptx_memory_before_wait": memory_before_wait(kernel.asm["ptx"])}
 print(json.dumps(found))
 """
@@ -94,8 +92,6 @@ def compiled() -> dict:
         ("gather", "paged"),
         ("gather-bits", "paged"),
         ("gather-device", "paged"),
-        ("fused-device", "contiguous"),
-        ("gather-fused", "paged"),
     ],
 )
 def test_hopper_kernel_builds_as_designed(compiled, mask, cache):
@@ -114,15 +110,6 @@ def test_hopper_kernel_builds_as_designed(compiled, mask, cache):
         assert got["ldgsts128"] > 0 and got["tma"] == 0, got
     else:
         assert got["tma"] > 0 and got["ldgsts128"] == 0, got
-
-
-def test_hopper_kernel_merges_in_place_only_when_fused(compiled):
-    """The fused build counts pieces in and out with global atomics (the in-kernel merge); the others
-    have none (their cut row blocks are merged by a launch of their own)."""
-    assert compiled["fused-device-contiguous"]["atomics"] > 0
-    assert compiled["gather-fused-paged"]["atomics"] > 0
-    assert compiled["device-contiguous"]["atomics"] == 0
-    assert compiled["gather-paged"]["atomics"] == 0
 
 
 def test_hopper_kernel_waits_first_under_pdl(compiled):

@@ -60,8 +60,6 @@ BN = gl.constexpr(TILE)
 GATHER_LD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))  # a gathered 64 x 64 chunk
 WARPGROUP = gl.constexpr(128)  # threads per warpgroup: the arrivals a gathered group's mbarrier counts
 WORKER_REGS = gl.constexpr(192)  # warpgroup 1's registers per thread (O half: 128); warpgroup 0 gets the rest
-MERGE_ROWS = gl.constexpr(8)  # rows of a cut row block folded per round of the in-kernel merge
-MERGE_LD = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 4], [1, 0]))  # [MERGE_ROWS, D_C] float32
 
 
 @functools.lru_cache(maxsize=16)
@@ -522,118 +520,6 @@ def _wg1(job, sm, cst):
 
 
 @gluon.jit
-def _fence_gpu():
-    """fence.acq_rel.gpu in every thread: its earlier global stores are ordered before what follows."""
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)  # fmt: skip
-
-
-@gluon.jit
-def _is_cut(job, rb):
-    """Whether this program covers only part of row block rb's tiles (it then wrote a piece of it)."""
-    return (job.u0 > rb * job.NT) | (job.u1 < rb * job.NT + job.NT)
-
-
-@gluon.jit
-def _program_u0(c, per, units, plane, groups):
-    """Program c's first unit (mla_attention_schedule.program_units)."""
-    g = gl.maximum(groups, 1)
-    u0 = gl.where(groups > 0, (c // g) * plane + gl.minimum((c - (c // g) * g) * per, plane), c * per)
-    return gl.minimum(u0, units)
-
-
-@gluon.jit
-def _piece(job, rb, c, valid, local, row_ok, cols, per, units, groups, D_C: gl.constexpr):
-    """(lse [MERGE_ROWS], part [MERGE_ROWS, D_C]) of program c's piece of row block rb at block rows
-    `local` (-inf and 0 where not valid): slot 2c if rb is the program's first row block, else 2c + 1.
-    Read past the L1 (.cg): the pieces were written by other multiprocessors."""
-    u0 = _program_u0(c, per, units, job.B * job.NT, groups)
-    base = (2 * c + (u0 // job.NT != rb).to(gl.int32)).to(gl.int64) * BM
-    ok = row_ok & valid
-    lse = gl.load(job.plse_ptr + base + local, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    ptrs = job.part_ptr + (base + local.to(gl.int64))[:, None] * D_C + cols[None, :]
-    part = gl.load(ptrs, mask=ok[:, None] & (cols >= 0)[None, :], other=0.0, cache_modifier=".cg")
-    return lse, part
-
-
-@gluon.jit
-def _merge_share(job, count_ptr, rb, per, units, groups, D_C: gl.constexpr):
-    """This program's share of the merge of cut row block rb: once all n programs that met it have
-    counted their pieces in, rows i * cdiv(BM, n) .. of the block (i: this program among the n) get
-    the log-sum-exp merge of the n pieces, four pieces per round of loads. Then it counts itself out;
-    the last one out resets the count to 0 for the next launch (the count reaches n, then 2n)."""
-    blk = rb // job.B
-    b = rb - blk * job.B
-    first = gl.where(groups > 0, b * job.NT, rb * job.NT)  # rb's first unit in its programs' numbering
-    c0 = gl.where(groups > 0, blk * groups, 0) + first // per
-    n = (first + job.NT - 1) // per - first // per + 1
-    while gl.atomic_add(count_ptr + rb, 0, sem="acquire", scope="gpu") < n:
-        pass
-    share = gl.cdiv(BM, n)
-    lo = (job.c - c0) * share
-    hi = gl.minimum(lo + share, BM)
-    cols = gl.arange(0, D_C, gl.SliceLayout(0, MERGE_LD))
-    for r0 in range(lo, hi, MERGE_ROWS):
-        local = r0 + gl.arange(0, MERGE_ROWS, gl.SliceLayout(1, MERGE_LD))
-        row_ok = (local < hi) & (blk * BM + local < job.M)
-        m = gl.full([MERGE_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, MERGE_LD))
-        total = gl.zeros([MERGE_ROWS], gl.float32, gl.SliceLayout(1, MERGE_LD))
-        acc = gl.zeros([MERGE_ROWS, D_C], gl.float32, MERGE_LD)
-        for s in range(0, n, 4):  # four pieces' loads in flight, then their fold
-            l0, x0 = _piece(job, rb, c0 + s, s < n, local, row_ok, cols, per, units, groups, D_C)
-            l1, x1 = _piece(job, rb, c0 + s + 1, s + 1 < n, local, row_ok, cols, per, units, groups, D_C)
-            l2, x2 = _piece(job, rb, c0 + s + 2, s + 2 < n, local, row_ok, cols, per, units, groups, D_C)
-            l3, x3 = _piece(job, rb, c0 + s + 3, s + 3 < n, local, row_ok, cols, per, units, groups, D_C)
-            m_new = gl.maximum(m, gl.maximum(gl.maximum(l0, l1), gl.maximum(l2, l3)))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows no piece has seen yet
-            w0, w1 = gl.exp(l0 - m_safe), gl.exp(l1 - m_safe)
-            w2, w3 = gl.exp(l2 - m_safe), gl.exp(l3 - m_safe)
-            alpha = gl.exp(m - m_safe)
-            acc = acc * alpha[:, None] + _weighted(w0, x0) + _weighted(w1, x1) + _weighted(w2, x2)
-            acc = acc + _weighted(w3, x3)
-            total = total * alpha + w0 + w1 + w2 + w3
-            m = m_new
-        rows = blk * BM + local
-        out = acc / gl.where(total > 0, total, 1.0)[:, None]
-        o_ptrs = job.out_ptr + (b.to(gl.int64) * job.M + rows.to(gl.int64))[:, None] * D_C + cols[None, :]
-        gl.store(o_ptrs, out.to(job.out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols >= 0)[None, :])
-        m_safe = gl.where(m == float("-inf"), 0.0, m)
-        lse = gl.where(total > 0, m_safe + gl.log(gl.where(total > 0, total, 1.0)), float("-inf"))
-        gl.store(job.lse_ptr + b.to(gl.int64) * job.M + rows, lse, mask=row_ok)
-    gl.thread_barrier()
-    if gl.atomic_add(count_ptr + rb, 1, sem="relaxed", scope="gpu") == 2 * n - 1:
-        gl.atomic_xchg(count_ptr + rb, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
-def _weighted(w, x):
-    """w [R] * x [R, D], 0 where w is 0 (a piece that saw nothing, or none: its x is never read)."""
-    return gl.where((w > 0)[:, None], w[:, None] * x, 0.0)
-
-
-@gluon.jit
-def _merge_cut_blocks(job, count_ptr, per, units, groups, D_C: gl.constexpr):
-    """After both warpgroups have stored (the warp_specialize join is a barrier of the whole CTA): this
-    program counts in its pieces (its first and last row blocks, where cut) before it waits for any
-    other program, so no wait can wait on a waiting program, then merges its share of each. Every
-    program of the grid is resident (at most one per multiprocessor), so the waits end."""
-    rb_first, count = _row_blocks(job)
-    rb_last = rb_first + count - 1
-    cut_first = (count > 0) & _is_cut(job, rb_first)
-    cut_last = (count > 1) & _is_cut(job, rb_last)
-    _fence_gpu()
-    gl.thread_barrier()
-    if cut_first:
-        gl.atomic_add(count_ptr + rb_first, 1, sem="release", scope="gpu")
-    if cut_last:
-        gl.atomic_add(count_ptr + rb_last, 1, sem="release", scope="gpu")
-    if cut_first:
-        _merge_share(job, count_ptr, rb_first, per, units, groups, D_C)
-    if cut_last:
-        _merge_share(job, count_ptr, rb_last, per, units, groups, D_C)
-
-
-@gluon.jit
 def gluon_wait_then_release(PDL: gl.constexpr):
     """kernels/_pdl.wait_then_release for this Gluon kernel: the same two PTX instructions, first thing."""
     if PDL:
@@ -655,7 +541,6 @@ def _attention_kernel(
     lse_ptr,  # [b, M] float32
     part_ptr,  # [2 * programs, BM, D_C] float32: the pieces of cut row blocks
     plse_ptr,  # [2 * programs, BM] float32
-    count_ptr,  # int32 [b * row blocks], zeros: the pieces counted in per row block (FUSED_MERGE)
     sched_ptr,  # int32 [5]: NT, PER, units, programs, groups (mla_attention_schedule), when SCHED_ON_DEVICE
     NT,  # else the schedule from the host: tiles per row block,
     PER,  # tiles per program,
@@ -678,7 +563,6 @@ def _attention_kernel(
     MASK_MODE: gl.constexpr,
     GATHER: gl.constexpr,  # any page size: rows gathered by cp.async through the block table, not TMA
     SCHED_ON_DEVICE: gl.constexpr,
-    FUSED_MERGE: gl.constexpr,  # the programs merge the cut row blocks' pieces themselves
     num_warps: gl.constexpr,  # 4: warpgroup 0; warpgroup 1 is the worker partition
     PDL: gl.constexpr = False,
 ):
@@ -733,18 +617,13 @@ def _attention_kernel(
               sync.index(0), sync.index(1), sync.index(2), sync.index(3))  # fmt: skip
     args = (job, sm, Consts(D_C, D_R, PAGED, MASK_MODE, GATHER))
     gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WORKER_REGS])
-    if FUSED_MERGE:
-        _merge_cut_blocks(job, count_ptr, per, units, groups, D_C)
 
 
 @dataclass(frozen=True)
 class Launch:
     """One forward's launch of the kernel: the grid (programs), the schedule (from the host when the
-    plan knew the lengths, else on the device), the piece workspace, and how cut row blocks are merged:
-    not at all when the plan knew none is cut; by the programs themselves at the kernel's end when every
-    program is resident at once (a grid of at most one program per multiprocessor: counts holds the
-    per-row-block counters they meet on, zeros, which each launch leaves at zero); else by a merge
-    launch after the kernel (kernels/mla_attention_merge.py; forced schedules of more programs)."""
+    plan knew the lengths, else on the device), the piece workspace, and whether the merge must run
+    (False only when the plan knew no row block is cut)."""
 
     programs: int
     host: Schedule | None
@@ -754,19 +633,13 @@ class Launch:
     merge: bool
     cut_blocks: int  # a bound on the row blocks the schedule cuts (the merge's grid)
     max_pieces: int  # a bound on one row block's pieces
-    counts: torch.Tensor | None = None  # int32 [b * row blocks] zeros: the in-kernel merge's counters
-
-    @property
-    def fused(self) -> bool:
-        """Whether the kernel merges its cut row blocks itself (no merge launch)."""
-        return self.counts is not None
 
 
 def plan(p: Problem, device: torch.device, max_seqlen: int | None, forced: int = 0) -> Launch:
     """The launch of problem p: with max_seqlen (the lengths known on the host) the exact grid of the
     host's schedule and a merge only if it cuts a row block; without (a captured forward) the schedule
     computed on the device for any lengths, a grid of one program per multiprocessor and the merge
-    always planned. forced: cut each row block's tiles into that many pieces (tests)."""
+    always launched. forced: cut each row block's tiles into that many pieces (tests)."""
     sms = device_multiprocessors(device)
     blocks = -(-p.rows // BLOCK_M)
     if max_seqlen is not None:
@@ -779,36 +652,32 @@ def plan(p: Problem, device: torch.device, max_seqlen: int | None, forced: int =
     plse = torch.empty(2 * programs, BLOCK_M, dtype=torch.float32, device=device)
     pieces = schedule.max_pieces(p.b, blocks, sms, forced)
     cut = schedule.cut_blocks(p.b, blocks, programs, forced)
-    resident = merge and programs <= sms
-    counts = torch.zeros(p.b * blocks, dtype=torch.int32, device=device) if resident else None
-    return Launch(programs, host, sched, part, plse, merge, cut, pieces, counts)
+    return Launch(programs, host, sched, part, plse, merge, cut, pieces)
 
 
 def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
     """out [b, t, h, d_c], lse [b, t, h] <- the attention of q [b, t, h, d] over kv_cache: the kernel,
-    then the merge of the cut row blocks' pieces when the launch has a separate one. ValueError for a
-    cache the kernel cannot read through its TMA descriptor (not contiguous, or not 16-byte aligned)."""
+    then the merge of the cut row blocks' pieces when the launch has one. ValueError for a cache the
+    kernel cannot read through its TMA descriptor (not contiguous, or not 16-byte aligned)."""
     if not (kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0):
         raise ValueError("kv_cache: the Hopper kernel was planned: this layer's cache must be contiguous and "
                          "16-byte aligned too")  # fmt: skip
     _launch_kernel(launch, p, q, kv_cache, out, lse)
-    if launch.merge and not launch.fused:
+    if launch.merge:
         merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows,
                      BLOCK_M, launch.cut_blocks, launch.max_pieces)  # fmt: skip
 
 
 def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
-    """The kernel alone: final rows into out / lse, the cut row blocks' pieces into the workspace (and
-    merged into out / lse by the programs when the launch is fused)."""
+    """The kernel alone: final rows into out / lse, the cut row blocks' pieces into the workspace."""
     page_size = kv_cache.shape[1] if p.paged else 1
     nt, per, units, _, groups = launch.host or (0, 0, 0, 0, 0)
-    counts = launch.part if launch.counts is None else launch.counts  # unused unless fused
     _attention_kernel[(launch.programs,)](
         q, cache_desc(kv_cache), kv_cache, p.seqlens, p.table, p.mask.tensor, out, lse, launch.part,
-        launch.plse, counts, launch.sched, nt, per, units, groups, p.t, p.h, p.rows, p.b, p.qk_scale,
+        launch.plse, launch.sched, nt, per, units, groups, p.t, p.h, p.rows, p.b, p.qk_scale,
         kv_cache.shape[1], page_size, q.stride(0), p.table.stride(0), p.mask.stride_b, p.mask.stride_i,
         D_C=p.d_v, D_R=p.d - p.d_v, PAGED=p.paged, MASK_MODE=p.mask.mode,
-        GATHER=gathers(kv_cache, p.paged), SCHED_ON_DEVICE=launch.host is None, FUSED_MERGE=launch.fused,
+        GATHER=gathers(kv_cache, p.paged), SCHED_ON_DEVICE=launch.host is None,
         num_warps=4,
         **pdl.launch(q.device),
     )  # fmt: skip
