@@ -7,6 +7,8 @@ kernel everywhere, 10x from 4k prefixes), taken apart on the same inputs as `ben
 - run_hopper / run_triton: one later layer with each of our kernels (the plan made);
 - kernel_hopper: the Hopper kernel alone (run_hopper without the merge of cut row blocks), and the
   host schedule it ran (tiles, per, units, cuts, groups);
+- run_merge_r{R}w{W}: run_hopper with the merge launch's programs taking R rows with W warps (its own
+  shape: one row, 2+ warps);
 - run_cut{k}: the Hopper kernel and its merge with each row block cut into k pieces instead of the
   balanced schedule (k = 1: one program per row block, no merge), and its programs: whether fewer,
   longer programs without the merge beat the balanced schedule at these small points.
@@ -33,6 +35,7 @@ POINTS = [  # (h, t, prefix, b): the section's misses (docs/sglang.md), then two
     (8, 33, 4096, 16), (64, 33, 1024, 1), (64, 33, 4096, 1), (8, 9, 1024, 64), (64, 9, 4096, 16),
 ]  # fmt: skip
 CUTS = (1, 2, 3)  # the pieces per row block of the forced schedules timed beside the balanced one
+MERGE_SHAPES = ((2, 4), (4, 4), (8, 8), (16, 8))  # (rows, warps) per program of the merge launch tried
 
 
 def measure(extend, compile_fn, h: int, t: int, prefix: int, b: int) -> dict:
@@ -74,6 +77,26 @@ def kernel_alone(ours: OursVerify) -> dict:
         forced = hopper.plan(p, q.device, ours.backend.forward_metadata.max_seqlen, forced=k)
         us = time_graph(lambda f=forced: hopper.run(f, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
         row[f"run_cut{k}_us"], row[f"programs_cut{k}"] = round(us, 1), forced.programs
+    if launch.merge:
+        row.update(merge_shapes(launch, p, q, kv, out, lse))
+    return row
+
+
+def merge_shapes(launch, p, q, kv, out, lse) -> dict:
+    """The plan's run (kernel + merge launch) with the merge's programs taking MERGE_SHAPES' rows and
+    warps instead of its own shape (one row, 2+ warps), the pieces per round unchanged."""
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+    from kdtree_engine.kernels import mla_attention_merge as merge
+
+    own = merge._round_shape
+    row = {}
+    try:
+        for rows, warps in MERGE_SHAPES:
+            merge._round_shape = lambda pieces, on_gpu, r=rows, w=warps: (r, own(pieces, on_gpu)[1], w)
+            us = time_graph(lambda: hopper.run(launch, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
+            row[f"run_merge_r{rows}w{warps}_us"] = round(us, 1)
+    finally:
+        merge._round_shape = own
     return row
 
 
