@@ -24,6 +24,11 @@
 # engine's, then scripts/probe_pdl.py and the 2.5B forward's profiles with PDL and without (issue 27).
 # "pdl-rest" runs the GPU tests of the kernels given PDL after the "pdl" call (drafter, tree, row-invariant,
 # SGLang metadata), then the 2.5B bench at batch 1.
+# "goals" runs the GPU suite and the engine demo ("tests"), then issue 27's rows: bench e2e at batch 1 on the
+# 2.5B shape (budgets 32 and 64) and on kimi-nano (16 and 32), in one call (about 8 minutes).
+# "ncu-verify" profiles the Hopper attention kernel alone with ncu at an h = 8 and an h = 64 point of the
+# SGLang verify (pages of 1; scripts/probe_verify_misses.py --kernel-runs): tensor-pipe use, warp
+# stalls, memory (issues 29 and 31).
 # "tree-bound" runs the attention kernels' GPU tests and the SGLang backend's against SGLang's extend kernel,
 # then both targets' bench at batch 1, budget 32 (with out/base/src, an earlier copy, first: the baseline).
 # "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
@@ -237,6 +242,29 @@ if [ "$what" = pdl-rest ]; then
     tests/drafter tests/model/test_row_invariance.py \
     -p no:cacheprovider "${xdist[@]}" -rs 2>&1 | tee "$R/pdl_rest_tests.log" | tail -8 || status=1
   bench_small_b1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = goals ]; then
+  OUT="${R%/results}" T_TESTS="${T_TESTS:-300}" T_DEMO="${T_DEMO:-40}" bash "$0" tests || status=1
+  for target in small nano; do
+    budgets="32 64"; [ $target = nano ] && budgets="16 32"
+    # shellcheck disable=SC2086
+    timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target $target --batch 1 --temperatures 0 \
+      --budgets $budgets --prompts 8 --out "$R/${target}_b1" 2>&1 | tee "$R/bench_${target}_b1.log" | tail -30 \
+      || status=1
+  done
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = ncu-verify ]; then
+  for point in 8,17,4096,16 64,9,4096,16; do
+    timeout "${T_NCU:-150}" ncu --clock-control none -k regex:_attention_kernel -s 1 -c 1 --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section WarpStateStats --section MemoryWorkloadAnalysis \
+      --section Occupancy --section LaunchStats python3 scripts/probe_verify_misses.py "$R/ncu" --points $point \
+      --kernel-runs 2 > "$R/ncu_${point//,/_}.log" 2>&1 || status=1
+    tail -60 "$R/ncu_${point//,/_}.log"
+  done
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi

@@ -14,9 +14,12 @@ kernel everywhere, 10x from 4k prefixes), taken apart on the same inputs as `ben
   longer programs without the merge beat the balanced schedule at these small points.
 
 Timing: bench.timing.time_graph (CUDA-graph replays, L2 flushed, median). One json line per point, and
-probe_misses.json in OUT_DIR.
+probe_misses.json in OUT_DIR. --points picks other points (h,t,prefix,batch each). --kernel-runs N
+times nothing: it plans each point and runs the Hopper kernel alone N times, for a profiler (no port
+needed), e.g. `ncu -k regex:_attention_kernel -s 1 -c 1 python scripts/probe_verify_misses.py OUT
+--points 8,17,4096,16 --kernel-runs 2`.
 
-    python scripts/probe_verify_misses.py OUT_DIR [--port .peers/sglang]
+    python scripts/probe_verify_misses.py OUT_DIR [--port .peers/sglang] [--points ...] [--kernel-runs N]
 """
 
 import argparse
@@ -61,16 +64,22 @@ def measure(extend, compile_fn, h: int, t: int, prefix: int, b: int) -> dict:
     return row
 
 
-def kernel_alone(ours: OursVerify) -> dict:
-    """The Hopper kernel of ours' plan without its merge: time and schedule."""
-    from kdtree_engine.kernels import mla_attention_hopper as hopper
-
+def hopper_call(ours: OursVerify) -> tuple:
+    """(launch, problem, q, kv, out, lse) of ours' plan: the Hopper kernel's arguments alone."""
     plan = ours.backend.forward_metadata.plan
     p, launch = plan.problem, plan.launch
     q = ours.q.view(plan.q_shape).contiguous()
     kv = ours.backend._layer_cache(ours.layer, q.shape[-1])
     out = torch.empty(p.b, p.t, p.h, p.d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.b, p.t, p.h, dtype=torch.float32, device=q.device)
+    return launch, p, q, kv, out, lse
+
+
+def kernel_alone(ours: OursVerify) -> dict:
+    """The Hopper kernel of ours' plan without its merge: time and schedule."""
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+    launch, p, q, kv, out, lse = hopper_call(ours)
     us = time_graph(lambda: hopper._launch_kernel(launch, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
     row = {"kernel_hopper_us": round(us, 1), "schedule": list(launch.host or ()), "merge": launch.merge}
     for k in CUTS:
@@ -80,6 +89,21 @@ def kernel_alone(ours: OursVerify) -> dict:
     if launch.merge:
         row.update(merge_shapes(launch, p, q, kv, out, lse))
     return row
+
+
+def kernel_runs(h: int, t: int, prefix: int, b: int, runs: int) -> None:
+    """The point's plan, then `runs` eager launches of the Hopper kernel alone (for a profiler)."""
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+
+    pool, q, vis = make_point(h, t, prefix, b, torch.device("cuda"))
+    ours = OursVerify.make(pool, q, vis, SCALE, D_V, impl="hopper")
+    ours.step()
+    call = hopper_call(ours)
+    for _ in range(runs):
+        hopper._launch_kernel(*call)
+    torch.cuda.synchronize()
+    print(json.dumps({"h": h, "t": t, "prefix": prefix, "batch": b, "runs": runs,
+                      "schedule": list(call[0].host or ())}), flush=True)  # fmt: skip
 
 
 def merge_shapes(launch, p, q, kv, out, lse) -> dict:
@@ -100,15 +124,27 @@ def merge_shapes(launch, p, q, kv, out, lse) -> dict:
     return row
 
 
+def point_arg(text: str) -> tuple[int, int, int, int]:
+    """A point from "h,t,prefix,batch"."""
+    h, t, prefix, b = (int(x) for x in text.split(","))
+    return h, t, prefix, b
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--port", default=".peers/sglang")
+    parser.add_argument("--points", nargs="+", type=point_arg, default=POINTS, help="h,t,prefix,batch each")
+    parser.add_argument("--kernel-runs", type=int, default=0, help="only run the Hopper kernel N times")
     args = parser.parse_args()
+    if args.kernel_runs:
+        for point in args.points:
+            kernel_runs(*point, args.kernel_runs)
+        return
     extend = load_extend_attention(args.port)
     compile_fn = load_sglang_port(args.port).kernels.compile_ddtree_tree_triton
     rows = []
-    for point in POINTS:
+    for point in args.points:
         rows.append(measure(extend, compile_fn, *point))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
