@@ -247,13 +247,9 @@ if [ "$what" = pdl-rest ]; then
 fi
 if [ "$what" = goals ]; then
   OUT="${R%/results}" T_TESTS="${T_TESTS:-300}" T_DEMO="${T_DEMO:-40}" bash "$0" tests || status=1
-  for target in small nano; do
-    budgets="32 64"; [ $target = nano ] && budgets="16 32"
-    # shellcheck disable=SC2086
-    timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target $target --batch 1 --temperatures 0 \
-      --budgets $budgets --prompts 8 --out "$R/${target}_b1" 2>&1 | tee "$R/bench_${target}_b1.log" | tail -30 \
-      || status=1
-  done
+  bench_small_b1
+  timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target nano --batch 1 --temperatures 0 \
+    --budgets 16 32 --prompts 8 --out "$R/nano_b1" 2>&1 | tee "$R/bench_nano_b1.log" | tail -30 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi

@@ -76,7 +76,8 @@ def hopper_call(ours: OursVerify) -> tuple:
 
 
 def kernel_alone(ours: OursVerify) -> dict:
-    """The Hopper kernel of ours' plan without its merge: time and schedule."""
+    """The Hopper kernel of ours' plan without its merge (time and schedule), then the plan's run with
+    CUTS' forced schedules and, where the plan merges, MERGE_SHAPES' merge launches."""
     from kdtree_engine.kernels import mla_attention_hopper as hopper
 
     launch, p, q, kv, out, lse = hopper_call(ours)

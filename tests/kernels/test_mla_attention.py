@@ -17,6 +17,7 @@ import torch
 from kdtree_engine.attention import plan_attention, tree_mla_attention
 from kdtree_engine.kernels import mla_attention_triton as kernels
 from kdtree_engine.ref import mla_attention as ref
+from kdtree_engine.ref.sglang_attention import visibility_to_bits
 
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-3), torch.float16: (2e-2, 2e-3)}  # (out, lse)
 
@@ -240,11 +241,7 @@ def test_a_row_that_sees_a_later_node_is_refused(form):
     args = _valid("cpu")
     vis = args.pop("visibility").clone()
     vis[1, 0, 3] = True
-    tree = (
-        {"visibility": vis}
-        if form == "visibility"
-        else {"ancestor_bits": (vis.long() << torch.arange(4)).sum(-1)}
-    )
+    tree = {"visibility": vis} if form == "visibility" else {"ancestor_bits": visibility_to_bits(vis)}
     with pytest.raises(ValueError, match=f"^{form}: row i sees a later node"):
         tree_mla_attention(args["q"], args["kv_cache"], args["cache_seqlens"], softmax_scale=0.1, d_v=32,
                            impl="ref", **tree)  # fmt: skip
