@@ -41,14 +41,16 @@ CUTS = (1, 2, 3)  # the pieces per row block of the forced schedules timed besid
 MERGE_SHAPES = ((2, 4), (4, 4), (8, 8), (16, 8))  # (rows, warps) per program of the merge launch tried
 
 
+def timed(f) -> float:
+    """us per call of f: median of CUDA-graph replays (bench.timing.time_graph), rounded to 0.1."""
+    return round(time_graph(f, rep_ms=40, warmup=2).median_us, 1)
+
+
 def measure(extend, compile_fn, h: int, t: int, prefix: int, b: int) -> dict:
     pool, q, vis = make_point(h, t, prefix, b, torch.device("cuda"))
     port = PortVerify.make(extend, compile_fn, pool, q, vis, SCALE, D_V)
     row = dict(h=h, t=t, prefix=prefix, batch=b)
     want = port.step().float().reshape(b * t, -1)
-
-    def timed(f) -> float:
-        return round(time_graph(f, rep_ms=40, warmup=2).median_us, 1)
 
     row["port_step_us"] = timed(port.step)
     for impl in ("hopper", "triton"):
@@ -81,12 +83,12 @@ def kernel_alone(ours: OursVerify) -> dict:
     from kdtree_engine.kernels import mla_attention_hopper as hopper
 
     launch, p, q, kv, out, lse = hopper_call(ours)
-    us = time_graph(lambda: hopper._launch_kernel(launch, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
-    row = {"kernel_hopper_us": round(us, 1), "schedule": list(launch.host or ()), "merge": launch.merge}
+    us = timed(lambda: hopper._launch_kernel(launch, p, q, kv, out, lse))
+    row = {"kernel_hopper_us": us, "schedule": list(launch.host or ()), "merge": launch.merge}
     for k in CUTS:
         forced = hopper.plan(p, q.device, ours.backend.forward_metadata.max_seqlen, forced=k)
-        us = time_graph(lambda f=forced: hopper.run(f, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
-        row[f"run_cut{k}_us"], row[f"programs_cut{k}"] = round(us, 1), forced.programs
+        us = timed(lambda f=forced: hopper.run(f, p, q, kv, out, lse))
+        row[f"run_cut{k}_us"], row[f"programs_cut{k}"] = us, forced.programs
     if launch.merge:
         row.update(merge_shapes(launch, p, q, kv, out, lse))
     return row
@@ -118,8 +120,7 @@ def merge_shapes(launch, p, q, kv, out, lse) -> dict:
     try:
         for rows, warps in MERGE_SHAPES:
             merge._round_shape = lambda pieces, on_gpu, r=rows, w=warps: (r, own(pieces, on_gpu)[1], w)
-            us = time_graph(lambda: hopper.run(launch, p, q, kv, out, lse), rep_ms=40, warmup=2).median_us
-            row[f"run_merge_r{rows}w{warps}_us"] = round(us, 1)
+            row[f"run_merge_r{rows}w{warps}_us"] = timed(lambda: hopper.run(launch, p, q, kv, out, lse))
     finally:
         merge._round_shape = own
     return row
