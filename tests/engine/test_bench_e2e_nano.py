@@ -13,6 +13,7 @@ import torch
 
 from kdtree_engine.assets import KIMI_NANO
 from kdtree_engine.bench import e2e, e2e_nano, e2e_small, experts
+from kdtree_engine.engine.budget import PICK_REASONS
 from kdtree_engine.model.moe import MoE
 from tests.engine.helpers import random_prompts, tiny_drafter, tiny_target
 
@@ -372,13 +373,19 @@ def test_auto_row_reports_its_choices():
     assert (auto["method"], auto["budget"], auto["equal_to_ar"]) == ("ddtree", "auto", 2)
     assert sum(auto["budgets"].values()) == sum(r["rounds"] for r in auto["budget_report"].values()) > 0
     md = e2e_nano.markdown(rows, "header")
-    assert 'Budget "auto"' in md and "| bucket | rounds | predicted | expected | observed | round ms |" in md
+    assert 'Budget "auto"' in md
+    assert "| bucket | rounds | predicted | expected | observed | round ms | picked by |" in md
     costs = auto["round_costs"]  # on the CPU a round's own stages are timed (not: a bucket's first, eager)
     assert costs["rounds"] == sum(auto["budgets"].values()) and 0 < costs["measured"] <= costs["rounds"]
     assert 0 < costs["seconds"] < auto["call_s"]
-    log = [entry for call in auto["round_log"] for entry in call]  # each round: [bucket, ms or None]
-    assert Counter(k for k, _ in log) == Counter({int(k): v for k, v in auto["budgets"].items()})
-    assert sum(ms for _, ms in log if ms is not None) == pytest.approx(costs["seconds"] * 1e3, abs=1e-3)
+    log = [entry for call in auto["round_log"] for entry in call]  # each round: [bucket, ms, why, E]
+    assert Counter(k for k, *_ in log) == Counter({int(k): v for k, v in auto["budgets"].items()})
+    assert sum(ms for _, ms, *_ in log if ms is not None) == pytest.approx(costs["seconds"] * 1e3, abs=1e-3)
+    weighed = {len(e) for *_, e in log if e is not None}  # the batch's E at every bucket, each round
+    assert len(weighed) == 1 and weighed.pop() >= 2
+    for _, _, why, expected in log:  # why the policy picked the round's bucket
+        assert why in PICK_REASONS and (expected is None) == (why == "stepping")
+        assert expected is None or min(expected) >= 1.0  # at least the bonus token of one running request
     for r in rows[:-1]:  # every budget's rounds are measured alike, autoregressive decoding's too
         assert r["round_log"] is None
         c = r["round_costs"]

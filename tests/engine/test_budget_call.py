@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, PICK_REASONS, BudgetPolicy
 from kdtree_engine.engine.budget_call import (
     KEEP_ROUNDS,
     CallTest,
@@ -244,3 +244,35 @@ def test_a_call_of_steps_after_a_tree_pays_the_tables_price_for_its_first_step()
     assert policy.pick([True], must_draft=False, remaining=[2]) != 0
     assert policy.pick([True], must_draft=False, remaining=[1]) == 0  # one step beats any tree
     assert policy.pick([True], must_draft=False, remaining=[2]) == 0  # after a step: no switch to pay
+
+
+def _why_read(policy: BudgetPolicy, bucket: int, batch: int) -> str:
+    """The reason the round just picked carries to its read (BudgetPolicy.last_pick), read as a round
+    of `batch` requests that committed one token each."""
+    policy.observe(bucket, None, list(range(batch)), [1] * batch, None)
+    why, expected = policy.last_pick
+    assert (expected is None) == (why == "stepping")
+    return why
+
+
+def test_each_round_read_says_which_part_of_the_policy_picked_it():
+    """The round log's reasons (PICK_REASONS), each from the setting of a test above: a bucket never
+    measured is tried ("untried"), the rule's own choice ("rule"), a step the upper bounds turned into a
+    tree ("explore"), the static call's test ("call", also the step that gives a call to steps) and the
+    later rounds of a call given to steps ("stepping"); the batch's expected tokens at every bucket come
+    with each but the last."""
+    costs = {0: 1.0, 8: 3.2, 16: 3.5, 32: 4.0, 64: 5.0}
+    policy = _policy_after_a_round(costs, 4, accepted=0.2)
+    assert policy.pick([True] * 4, must_draft=False) == 4 and _why_read(policy, 4, 4) == "untried"
+    assert policy.pick([True] * 4, must_draft=True, remaining=[120] * 4) == 0 and policy.stepping
+    assert _why_read(policy, 0, 4) == "call"  # the test that gave the call to steps
+    assert policy.pick([True] * 4, must_draft=False, remaining=[119] * 4) == 0
+    assert _why_read(policy, 0, 4) == "stepping"
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = _policy_after_a_round(costs, 1, accepted=0.6, rounds=2)
+    tree = policy.pick([True], must_draft=False)
+    assert tree != 0 and _why_read(policy, tree, 1) == "explore"
+    assert policy.pick([True], must_draft=False, remaining=[120]) == 0 and _why_read(policy, 0, 1) == "call"
+    policy = _policy_after_a_round(costs, 1, accepted=0.6, rounds=400)
+    assert policy.pick([True], must_draft=False) == 0 and _why_read(policy, 0, 1) == "rule"
+    assert set(PICK_REASONS) == {"untried", "stepping", "explore", "call", "rule"}

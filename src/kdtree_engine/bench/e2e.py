@@ -151,12 +151,20 @@ def summarize(outputs) -> dict:
 
 
 def _round_log(stats) -> list[list] | None:
-    """Budget "auto": each timed call's rounds in order, [bucket, measured ms or None] (the policy's
-    choices against what each cost); None for a fixed budget."""
+    """Budget "auto": each timed call's rounds in order, [bucket, measured ms or None, why, expected]
+    (the policy's choices against what each cost; why: which part of the policy picked it,
+    engine.budget.PICK_REASONS; expected: the batch's expected tokens at every bucket, in the order of
+    the auto buckets, or None in a call given to steps); None for a fixed budget."""
     if not any(s.budgets for s in stats):
         return None
-    return [[[k, None if t != t else round(t * 1e3, 4)] for k, t in zip(s.budgets, s.round_seconds)]
+    return [[_logged_round(k, t, *pick) for k, t, pick in zip(s.budgets, s.round_seconds, s.budget_picks)]
             for s in stats]  # fmt: skip
+
+
+def _logged_round(bucket: int, seconds: float, why: str, expected: list[float] | None) -> list:
+    """One round of the log: [bucket, ms (None: not measured), why, the batch's E per bucket or None]."""
+    ms = None if seconds != seconds else round(seconds * 1e3, 4)
+    return [bucket, ms, why, None if expected is None else [round(x, 2) for x in expected]]
 
 
 def _cost_accounting(seconds: list[float]) -> dict | None:
@@ -193,20 +201,29 @@ def _merged_report(reports: list[dict]) -> dict:
 
 def auto_table(rows: list[dict], lead_heads: list[str], lead) -> str | None:
     """The auto rows' choices: per bucket, rounds, mean tokens per request predicted (1 + S of the
-    round's own draft), expected by the choice (engine.budget's estimator) and observed, and the median
-    round cost the policy held (also for a bucket it did not pick in these calls); None without an auto
-    row."""
+    round's own draft), expected by the choice (engine.budget's estimator) and observed, the median
+    round cost the policy held (also for a bucket it did not pick in these calls), and which part of
+    the policy picked its rounds in the timed calls (the round log's reasons, counted); None without an
+    auto row."""
     body = []
     for r in rows:
         for k, b in (r.get("budget_report") or {}).items():
             if not b["rounds"] and b["seconds"] != b["seconds"]:
                 continue
             means = [f"{b[key]:.2f}" if b["rounds"] else "-" for key in ("predicted", "expected", "observed")]
-            body.append([*lead(r), k, b["rounds"], *means, f"{b['seconds'] * 1e3:.3f}"])
+            body.append([*lead(r), k, b["rounds"], *means, f"{b['seconds'] * 1e3:.3f}",
+                         _picked_by(r.get("round_log"), int(k))])  # fmt: skip
     if not body:
         return None
-    heads = [*lead_heads, "bucket", "rounds", "predicted", "expected", "observed", "round ms"]
+    heads = [*lead_heads, "bucket", "rounds", "predicted", "expected", "observed", "round ms", "picked by"]
     return markdown_table(heads, body)
+
+
+def _picked_by(log: list[list] | None, bucket: int) -> str:
+    """How many of the logged rounds of `bucket` each part of the policy picked ("rule 80 call 3"), or
+    "-" where none was logged."""
+    whys = Counter(entry[2] for call in log or [] for entry in call if entry[0] == bucket)
+    return " ".join(f"{why} {n}" for why, n in sorted(whys.items())) or "-"
 
 
 ROUND_COSTS_TITLE = "Each row's measured rounds against its calls' time (rest: prefill, first round, end):"

@@ -610,14 +610,22 @@ def steady_rate(at_levels: Sequence[float], costs: Sequence[float]) -> float:
     return max(e / c for e, c in zip(at_levels, costs, strict=True))
 
 
+PICK_REASONS = ("rule", "untried", "explore", "call", "stepping")  # why a round got its bucket (_Choice)
+
+
 @dataclass
 class _Choice:
     """What the choice of one enqueued round saw: the running request rows, their S at every bucket
-    (aged; [rows, buckets]), and the E each expected at the bucket chosen."""
+    (aged; [rows, buckets]), and the E each expected at the bucket chosen; for the round log (`why`
+    and `batch_expected`, BudgetPolicy.last_pick): which part of the policy decided it (PICK_REASONS:
+    the per-round rule; a bucket not measured yet, tried; a step turned into a tree by the upper
+    bounds; the static call's test; a call given to steps) and the batch's E summed at every bucket."""
 
     rows: np.ndarray
     seen: np.ndarray
     expected: np.ndarray
+    why: str = "rule"
+    batch_expected: np.ndarray | None = None  # [buckets]; None in a call given to steps
 
 
 @dataclass
@@ -650,6 +658,7 @@ class BudgetPolicy:
     expected: dict[int, float] = field(default_factory=dict)  # sum of the E the choices expected
     observed: dict[int, float] = field(default_factory=dict)  # sum of committed tokens per bucket
     requests: dict[int, int] = field(default_factory=dict)  # (request, round) pairs per bucket
+    last_pick: tuple[str, np.ndarray | None] | None = None  # the round last read: (why, batch's E), _Choice
 
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
@@ -732,10 +741,11 @@ class BudgetPolicy:
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
+        totals, why = per_row.sum(axis=0), "call"
         if remaining is not None and self._steps_end_soonest(rows, remaining, must_draft):
             j = self.buckets.index(0)
         else:
-            expected = per_row.sum(axis=0).tolist()
+            expected = totals.tolist()
             chain = self._chain
             if chain is not None:  # the chain at its lower bound (module docstring)
                 lower = per_row[:, chain] - self.calibration.bonus()[chain]
@@ -746,9 +756,11 @@ class BudgetPolicy:
             rate = self._steady_rate(rows.size)
             picked = choose([expected[j] for j in allowed], [costs[j] for j in allowed], rate)
             j = allowed[picked]
+            why = "untried" if costs[j] <= 0 else "rule"
             if self.buckets[j] == 0:
-                j = self._explore(costs, j)
-        self.pending.append(_Choice(rows, seen, per_row[:, j]))
+                step, j = j, self._explore(costs, j)
+                why = "explore" if j != step else why
+        self.pending.append(_Choice(rows, seen, per_row[:, j], why, totals))
         self.age[rows] += 1
         self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
         return self.buckets[j]
@@ -757,7 +769,8 @@ class BudgetPolicy:
         """pick() in a call given to steps: a step, with none of the choice's per-round work (the
         host's time per round is what a call of steps pays beside the device's steps)."""
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
-        self.pending.append(_Choice(rows, np.zeros((rows.size, len(self.buckets))), np.ones(rows.size)))
+        seen = np.zeros((rows.size, len(self.buckets)))
+        self.pending.append(_Choice(rows, seen, np.ones(rows.size), "stepping"))
         self.streak += 1
         return 0
 
@@ -890,6 +903,7 @@ class BudgetPolicy:
         choice picks by how the draft looks, so that a bucket picked for hard rounds would look worse
         than it is)."""
         choice = self.pending.popleft() if self.pending else None
+        self.last_pick = (choice.why, choice.batch_expected) if choice is not None else None
         if seconds is not None:
             self.costs.observe(bucket, seconds)
             if bucket == 0 and self.last_read == 0:
@@ -945,7 +959,8 @@ class BudgetPolicy:
         running = np.zeros(max(int(choice.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, bool)
         running[rows] = True
         same = running[choice.rows]
-        return _Choice(choice.rows[same], choice.seen[same], choice.expected[same])
+        return _Choice(choice.rows[same], choice.seen[same], choice.expected[same], choice.why,
+                       choice.batch_expected)  # fmt: skip
 
     def report(self) -> dict[int, dict[str, float]]:
         """Per bucket, over this call: rounds read, mean tokens per request predicted (uncalibrated:

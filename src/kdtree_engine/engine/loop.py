@@ -693,6 +693,8 @@ class _Rounds:
             sums, would = (floats[:, :buckets], floats[:, buckets:]) if spec else (None, None)
             self.policy.observe(entry.bucket, seconds, rows, counts, sums, would)
             self.run.stats.budgets.append(entry.bucket)
+            why, batch = self.policy.last_pick or ("?", None)
+            self.run.stats.budget_picks.append((why, None if batch is None else batch.tolist()))
         return tokens, counts
 
     def _cost(self, entry: _InFlight) -> float | None:
