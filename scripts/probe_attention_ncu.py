@@ -15,19 +15,9 @@ import torch
 
 from kdtree_engine.attention import plan_attention
 from kdtree_engine.bench import flashmla
+from kdtree_engine.bench.attention import make_problem
 
-SCALE, D, D_V = 576**-0.5, 576, 512
-
-
-def point_inputs(b: int, t: int, h: int, s: int):
-    """q [b, t, h, 576], pages [b * s / 64, 64, 576], lengths [b] = s, block table [b, s / 64] (bf16)."""
-    g = torch.Generator(device="cuda").manual_seed(b * 1000 + t * 10 + h)
-    per = -(-s // flashmla.PAGE)
-    q = torch.randn(b, t, h, D, generator=g, device="cuda").to(torch.bfloat16)
-    kv = torch.randn(b * per, flashmla.PAGE, D, generator=g, device="cuda").to(torch.bfloat16)
-    table = torch.randperm(b * per, generator=g, device="cuda").view(b, per).int()
-    lengths = torch.full((b,), s, dtype=torch.int32, device="cuda")
-    return q, kv, lengths, table
+SCALE, D_V = 576**-0.5, 512
 
 
 def main() -> None:
@@ -40,7 +30,8 @@ def main() -> None:
     module = flashmla.load()
     if module is None:
         raise SystemExit("flash_mla is not importable (install the sgl-flash-mla wheel)")
-    q, kv, lengths, table = point_inputs(b, t, h, s)
+    p = make_problem(b, t, h, s, flashmla.PAGE, torch.device("cuda"))
+    q, kv, lengths, table = p["q"], p["kv"], p["lengths"], p["block_table"]
     plan = plan_attention(q, kv, lengths, softmax_scale=SCALE, d_v=D_V, block_table=table)
     peer = flashmla.causal_call(module, q, kv, lengths, table, SCALE, D_V)
     ours_out, _ = plan.run(q, kv)
