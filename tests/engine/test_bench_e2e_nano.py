@@ -386,6 +386,10 @@ def test_auto_row_reports_its_choices():
     for _, _, why, expected in log:  # why the policy picked the round's bucket
         assert why in PICK_REASONS and (expected is None) == (why == "stepping")
         assert expected is None or min(expected) >= 1.0  # at least the bonus token of one running request
+    for r in rows:  # per call (prompt group), the same groups in every row: tokens, ms, rounds
+        assert [n for n, _, _ in r["call_log"]] == [24]  # two prompts, batch 2, 12 tokens: one group
+        assert sum(ms for _, ms, _ in r["call_log"]) == pytest.approx(r["call_s"] * 1e3, abs=1e-2)
+        assert sum(k for *_, k in r["call_log"]) == r["round_costs"]["rounds"]
     for r in rows[:-1]:  # every budget's rounds are measured alike, autoregressive decoding's too
         assert r["round_log"] is None
         c = r["round_costs"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, PICK_REASONS, BudgetPolicy
+from kdtree_engine.engine import budget
+from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, PICK_REASONS, PROBE_STEPS, BudgetPolicy
 from kdtree_engine.engine.budget_call import (
     KEEP_ROUNDS,
     CallTest,
@@ -275,4 +276,30 @@ def test_each_round_read_says_which_part_of_the_policy_picked_it():
     assert policy.pick([True], must_draft=False, remaining=[120]) == 0 and _why_read(policy, 0, 1) == "call"
     policy = _policy_after_a_round(costs, 1, accepted=0.6, rounds=400)
     assert policy.pick([True], must_draft=False) == 0 and _why_read(policy, 0, 1) == "rule"
-    assert set(PICK_REASONS) == {"untried", "stepping", "explore", "call", "rule"}
+    assert set(PICK_REASONS) == {"untried", "stepping", "explore", "call", "rule", "probe"}
+
+
+def _close_call_picks(rounds: int) -> list[tuple[int, str]]:
+    """(bucket, why) of `rounds` picks of a call of one request whose test answers steps, not
+    decisively (the setting above), each read as a round that committed one token."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = _policy_after_a_round(costs, 1, accepted=0.6, rounds=2)
+    picks = []
+    for left in range(120, 120 - rounds, -1):
+        k = policy.pick([True], must_draft=False, remaining=[left])
+        picks.append((k, _why_read(policy, k, 1)))
+    assert not policy.stepping
+    return picks
+
+
+def test_the_tests_steps_in_a_row_are_probed_by_a_tree(monkeypatch):
+    """A close answer for steps (the call not given to steps) steps PROBE_STEPS rounds in a row, then
+    drafts the tree of most tokens per second at the trees' estimates ("probe"), then steps again;
+    without the probe it would step throughout, learning nothing of the trees."""
+    picks = _close_call_picks(2 * PROBE_STEPS + 3)
+    steps = [(0, "call")] * PROBE_STEPS
+    assert picks[:PROBE_STEPS] == steps and picks[PROBE_STEPS + 1 : 2 * PROBE_STEPS + 1] == steps
+    assert picks[PROBE_STEPS][0] > 0 and picks[PROBE_STEPS][1] == "probe"
+    assert picks[2 * PROBE_STEPS + 1][1] == "probe"
+    monkeypatch.setattr(budget, "PROBE_STEPS", 10**6)
+    assert _close_call_picks(2 * PROBE_STEPS + 3) == [(0, "call")] * (2 * PROBE_STEPS + 3)

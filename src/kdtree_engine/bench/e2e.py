@@ -118,7 +118,9 @@ def timed_run(target, drafter, prompts, config, calls: int = TIMED_CALLS):
 def summarize(outputs) -> dict:
     """The measures of timed generate() calls taken together: tokens/s over their summed wall time less
     graph capture, target forwards per token, tau over every (request, round), time per round of each
-    stage; `tokens`: the outputs' token lists, concatenated."""
+    stage; `tokens`: the outputs' token lists, concatenated; `call_log`: per call, in order, its new
+    tokens, ms (less capture) and rounds (a batch's calls are its prompt groups: every row runs the same
+    groups, so a row's call i compares with another's)."""
     stats = [o.stats for o in outputs]
     wall = sum(s.wall_time - s.capture_time for s in stats)
     new_tokens = sum(s.total_new_tokens for s in stats)
@@ -147,6 +149,9 @@ def summarize(outputs) -> dict:
         "call_s": wall,
         "round_costs": _cost_accounting([t for s in stats for t in s.round_seconds]),
         "round_log": _round_log(stats),
+        "call_log": [
+            [s.total_new_tokens, round((s.wall_time - s.capture_time) * 1e3, 4), s.rounds] for s in stats
+        ],
     }
 
 

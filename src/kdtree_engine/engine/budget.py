@@ -67,6 +67,17 @@ steps win decisively against the upper bounds too, while its round-by-round answ
 (optimism there, against a batch's tail, costs a batch of 64 that steps best its extra trees). Among
 trees the estimates stay as they are (optimism there buys rounds of the larger, costlier buckets).
 
+Probing the test's steps. The static call's test weighs the buckets at their long-run acceptance, not at
+what the last draft says, so a close answer for steps (not decisive: the call is not given to steps)
+holds round after round, and steps teach nothing: estimates learnt from a text's hard start (or from a
+Runner's earlier calls on it) would keep a call stepping through a later part that its trees would
+have sped up. So after PROBE_STEPS of the test's steps in a row the next round drafts the tree of most
+tokens per second at the trees' estimates (`_probe`; at their upper bounds it took the least-known,
+largest trees, which cost most); its round teaches the calibration that tree's acceptance and, through
+its nested counts, every smaller tree's. Where steps are right, the test's
+answer was close (else it would have given the call to steps), so a probe round in PROBE_STEPS + 1
+costs little.
+
 The chain at its lower bound. Only the chain's own rounds tell what it commits (a tree round tells its S,
 not its count), while every tree is also told by each larger tree's round: its estimate rests on fewer
 pairs, and a choice that takes it whenever that estimate comes out above the trees' takes it on its
@@ -114,6 +125,7 @@ STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S su
 EXPLORE_SDS = 2.0  # standard errors above its estimate a tree bucket counts at against a step
 CHAIN_MIN_RATIO = 1.5  # the chain's accepted over predicted drafted tokens below which it is out
 STEADY_STEP_MARGIN = 0.9  # steps in a row price the call's steps once below this share of the table's
+PROBE_STEPS = 8  # steps in a row the static call's test may pick (a call not given to steps) before a tree
 
 
 def path_probabilities(
@@ -610,7 +622,7 @@ def steady_rate(at_levels: Sequence[float], costs: Sequence[float]) -> float:
     return max(e / c for e, c in zip(at_levels, costs, strict=True))
 
 
-PICK_REASONS = ("rule", "untried", "explore", "call", "stepping")  # why a round got its bucket (_Choice)
+PICK_REASONS = ("rule", "untried", "explore", "call", "stepping", "probe")  # why a round got its bucket
 
 
 @dataclass
@@ -619,7 +631,8 @@ class _Choice:
     (aged; [rows, buckets]), and the E each expected at the bucket chosen; for the round log (`why`
     and `batch_expected`, BudgetPolicy.last_pick): which part of the policy decided it (PICK_REASONS:
     the per-round rule; a bucket not measured yet, tried; a step turned into a tree by the upper
-    bounds; the static call's test; a call given to steps) and the batch's E summed at every bucket."""
+    bounds; the static call's test; a call given to steps; a tree drafted after PROBE_STEPS of the
+    test's steps) and the batch's E summed at every bucket."""
 
     rows: np.ndarray
     seen: np.ndarray
@@ -649,6 +662,7 @@ class BudgetPolicy:
     sums: np.ndarray = field(init=False)  # [rows, buckets]: each request row's last S read, NaN: none
     age: np.ndarray = field(init=False)  # [rows]: rounds picked since a row's S was read
     streak: int = 0  # autoregressive rounds enqueued since the last draft
+    call_steps: int = 0  # of those, the static call's test's in a row (not a call given to steps)
     stepping: bool = False  # this call is given to autoregressive steps: no draft until it ends
     last_read: int | None = None  # the bucket of this call's last round read
     copies: np.ndarray | None = field(init=False, default=None)  # [rows]: first row of its greedy copies
@@ -696,7 +710,7 @@ class BudgetPolicy:
         self.paces.new_call()
         self.call_test = CallTest(self.depth)
         self.pending.clear()
-        self.streak, self.stepping, self.last_read = 0, False, None
+        self.streak, self.call_steps, self.stepping, self.last_read = 0, 0, False, None
         for tally in (self.chosen, self.predicted, self.expected, self.observed, self.requests):
             tally.clear()
 
@@ -744,6 +758,8 @@ class BudgetPolicy:
         totals, why = per_row.sum(axis=0), "call"
         if remaining is not None and self._steps_end_soonest(rows, remaining, must_draft):
             j = self.buckets.index(0)
+            if not self.stepping and self.call_steps >= PROBE_STEPS:
+                j, why = self._probe(), "probe"
         else:
             expected = totals.tolist()
             chain = self._chain
@@ -762,7 +778,9 @@ class BudgetPolicy:
                 why = "explore" if j != step else why
         self.pending.append(_Choice(rows, seen, per_row[:, j], why, totals))
         self.age[rows] += 1
-        self.streak = self.streak + 1 if self.buckets[j] == 0 else 0
+        step = self.buckets[j] == 0
+        self.streak = self.streak + 1 if step else 0
+        self.call_steps = self.call_steps + 1 if step and why == "call" else 0
         return self.buckets[j]
 
     def _step_of_stepping_call(self, active: Sequence[bool]) -> int:
@@ -788,6 +806,16 @@ class BudgetPolicy:
             return step  # a tree is the steady choice: this round's step is the draft's call
         upper, _ = self.calibration.optimistic_long_run()
         return int(np.argmax((1.0 + upper) / price))
+
+    def _probe(self) -> int:
+        """A tree in place of the static call's test's step after PROBE_STEPS of them in a row (module
+        docstring, "Probing the test's steps"): the tree of most tokens per second used every round at
+        the trees' long-run acceptance (Calibration.long_run), among the candidates."""
+        _, costs, _ = self.costs.estimates()
+        ybar, _ = self.calibration.long_run()
+        rates = [(1.0 + ybar[j]) / costs[j] if self._candidates[j] and costs[j] > 0 else -1.0
+                 for j in self._drafting]  # fmt: skip
+        return self._drafting[int(np.argmax(rates))]
 
     def _unmeasured(self, costs: Sequence[float]) -> bool:
         """Whether a bucket the choice may take is not measured yet (CostTable.estimate 0): the choice
