@@ -5,8 +5,10 @@ to end on a tiny target and drafter, and the small target's refusal to run witho
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,6 +363,15 @@ def test_timed_run_takes_tokens_per_second_untimed_and_stages_from_a_timed_call(
     assert out.stats.stage_times["verify"] > 0 and out.stats.stage_times["draft"] > 0
 
 
+def _auto_calls():
+    """scripts/auto_calls.py, loaded by path."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "auto_calls.py"
+    spec = importlib.util.spec_from_file_location("auto_calls", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_auto_row_reports_its_choices():
     """--auto adds a DDTree row with budget "auto": its buckets' rounds add up to the row's rounds, and
     the markdown gets the table of predicted and observed tokens per bucket."""
@@ -390,6 +401,9 @@ def test_auto_row_reports_its_choices():
         assert [n for n, _, _ in r["call_log"]] == [24]  # two prompts, batch 2, 12 tokens: one group
         assert sum(ms for _, ms, _ in r["call_log"]) == pytest.approx(r["call_s"] * 1e3, abs=1e-2)
         assert sum(k for *_, k in r["call_log"]) == r["round_costs"]["rounds"]
+    lines = _auto_calls().setting_lines(rows)  # scripts/auto_calls.py: auto call by call
+    assert len(lines) == 2 and lines[0].startswith("batch 2, temperature 0.0: auto ")
+    assert lines[1].startswith("  call 0: auto ") and f"in {auto['call_log'][0][2]} rounds" in lines[1]
     for r in rows[:-1]:  # every budget's rounds are measured alike, autoregressive decoding's too
         assert r["round_log"] is None
         c = r["round_costs"]
