@@ -74,9 +74,8 @@ Runner's earlier calls on it) would keep a call stepping through a later part th
 have sped up. So after PROBE_STEPS of the test's steps in a row the next round drafts the tree of most
 tokens per second at the trees' estimates (`_probe`; at their upper bounds it took the least-known,
 largest trees, which cost most); its round teaches the calibration that tree's acceptance and, through
-its nested counts, every smaller tree's. Where steps are right, the test's
-answer was close (else it would have given the call to steps), so a probe round in PROBE_STEPS + 1
-costs little.
+its nested counts, every smaller tree's. Where steps are right, the test's answer was close (else it
+would have given the call to steps), so a probe round in PROBE_STEPS + 1 costs little.
 
 The chain at its lower bound. Only the chain's own rounds tell what it commits (a tree round tells its S,
 not its count), while every tree is also told by each larger tree's round: its estimate rests on fewer
