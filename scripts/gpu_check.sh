@@ -38,7 +38,7 @@
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
 # "traces" records kimi-nano's bf16 acceptance on the GPU for the policy simulator, then the nano grid (issue 28).
-# "auto" runs the auto budget's grid on kimi-nano (issue 28) and the host's steps per round with the timed call's timeline; "auto-small" the
+# "auto" runs the auto budget's grid on kimi-nano (issue 28), auto call by call (scripts/auto_calls.py) and the host's steps per round with the timed call's timeline; "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
 # benchmark, and an SGLang checkout (or just its python/sglang/srt/speculative/ddtree_utils.py) at
@@ -175,6 +175,7 @@ if [ "$what" = auto ]; then
   timeout "${T_AUTO:-470}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
     --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" | tail -40 \
     || status=1
+  python3 scripts/auto_calls.py "$R/nano_auto/e2e_nano.json" >"$R/auto_calls.log" 2>&1 || status=1
   timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch ${HOST_BATCH:-4 16} --budgets ${HOST_BUDGETS:-64 auto} \
     --temperature ${HOST_TEMP:-0} --timeline 2>&1 \
     | tee "$R/round_host_time.log" || status=1
