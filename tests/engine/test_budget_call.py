@@ -279,15 +279,17 @@ def test_each_round_read_says_which_part_of_the_policy_picked_it():
     assert set(PICK_REASONS) == {"untried", "stepping", "explore", "call", "rule", "probe"}
 
 
-def _close_call_picks(rounds: int) -> list[tuple[int, str]]:
-    """(bucket, why) of `rounds` picks of a call of one request whose test answers steps, not
-    decisively (the setting above), each read as a round that committed one token."""
+def _close_call_picks(rounds: int, copies: int = 1) -> list[tuple[int, str]]:
+    """(bucket, why) of `rounds` picks of a call of one request (or `copies` greedy copies of one) whose
+    test answers steps, not decisively (the setting above), each read as a round that committed one
+    token a request."""
     costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
     policy = _policy_after_a_round(costs, 1, accepted=0.6, rounds=2)
+    policy.new_call(copies=[0] * copies)
     picks = []
     for left in range(120, 120 - rounds, -1):
-        k = policy.pick([True], must_draft=False, remaining=[left])
-        picks.append((k, _why_read(policy, k, 1)))
+        k = policy.pick([True] * copies, must_draft=False, remaining=[left] * copies)
+        picks.append((k, _why_read(policy, k, copies)))
     assert not policy.stepping
     return picks
 
@@ -301,5 +303,19 @@ def test_the_tests_steps_in_a_row_are_probed_by_a_tree(monkeypatch):
     assert picks[:PROBE_STEPS] == steps and picks[PROBE_STEPS + 1 : 2 * PROBE_STEPS + 1] == steps
     assert picks[PROBE_STEPS][0] > 0 and picks[PROBE_STEPS][1] == "probe"
     assert picks[2 * PROBE_STEPS + 1][1] == "probe"
+    assert _close_call_picks(2 * PROBE_STEPS + 3, copies=3) == picks  # greedy copies: one request
     monkeypatch.setattr(budget, "PROBE_STEPS", 10**6)
     assert _close_call_picks(2 * PROBE_STEPS + 3) == [(0, "call")] * (2 * PROBE_STEPS + 3)
+
+
+def test_with_more_than_one_request_the_tests_steps_are_not_probed():
+    """64 requests whose test answers steps, not decisively, because of the tail (the first test's
+    setting): no probe, however many steps in a row (a probe's round, read as the trees' rate, would
+    turn the call back to trees that the tail makes slower)."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = _policy_after_a_round(costs, 64, accepted=1.2, rounds=40, spread=1.2)
+    picks = []
+    for left in range(127, 127 - 2 * PROBE_STEPS - 3, -1):
+        k = policy.pick([True] * 64, must_draft=False, remaining=[left] * 64)
+        picks.append((k, _why_read(policy, k, 64)))
+    assert picks == [(0, "call")] * (2 * PROBE_STEPS + 3) and not policy.stepping
