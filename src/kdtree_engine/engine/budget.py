@@ -680,6 +680,7 @@ class BudgetPolicy:
         self.calibration = Calibration(self.buckets)
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
+        self._trees = np.array([k > 0 for k in self.buckets])  # the same, as a mask
         chain = chain_bucket(self.buckets)
         self._chain = None if chain is None else self.buckets.index(chain)
         self._candidates = np.ones(len(self.buckets), dtype=bool)  # _candidate_mask(), set by each pick
@@ -802,27 +803,38 @@ class BudgetPolicy:
         (a round whose own draft promises little). Ties go to the first bucket, the step."""
         if self._unmeasured(costs):
             return step
-        price = np.where(self._candidates, np.asarray(costs), np.inf)
         ybar, _ = self.calibration.long_run()
-        if int(np.argmax((1.0 + ybar) / price)) != step:
+        if self._steady_choice(ybar, costs) != step:
             return step  # a tree is the steady choice: this round's step is the draft's call
         upper, _ = self.calibration.optimistic_long_run()
-        return int(np.argmax((1.0 + upper) / price))
+        return self._steady_choice(upper, costs)
+
+    def _steady_choice(self, ybar: np.ndarray, costs: Sequence[float], trees_only: bool = False) -> int:
+        """The index of the candidate bucket (a tree, with trees_only) of most tokens per second used
+        every round, each committing 1 + ybar tokens (costs: measured, > 0); ties go to the first."""
+        allowed = self._candidates & self._trees if trees_only else self._candidates
+        return int(np.argmax((1.0 + ybar) / np.where(allowed, np.asarray(costs), np.inf)))
 
     def _one_request(self, rows: np.ndarray) -> bool:
         """Whether the running request rows are one request, or greedy copies of one (new_call's
         copies): a call whose end is that request's, with no tail of others behind it."""
-        return rows.size == 1 or (self.copies is not None and np.unique(self.copies[rows]).size == 1)
+        return self._distinct(rows).size == 1
+
+    def _distinct(self, rows: np.ndarray) -> np.ndarray:
+        """The request rows with each group of greedy copies (new_call's copies) counted once, by its
+        first row, in order."""
+        if self.copies is None:
+            return rows
+        _, first = np.unique(self.copies[rows], return_index=True)
+        return rows[np.sort(first)]
 
     def _probe(self) -> int:
         """A tree in place of the static call's test's step after PROBE_STEPS of them in a row (module
-        docstring, "Probing the test's steps"): the tree of most tokens per second used every round at
-        the trees' long-run acceptance (Calibration.long_run), among the candidates."""
+        docstring, "Probing the test's steps"): the steady choice among the trees at their long-run
+        acceptance (Calibration.long_run). Every candidate is measured here (the test answered)."""
         _, costs, _ = self.costs.estimates()
         ybar, _ = self.calibration.long_run()
-        rates = [(1.0 + ybar[j]) / costs[j] if self._candidates[j] and costs[j] > 0 else -1.0
-                 for j in self._drafting]  # fmt: skip
-        return self._drafting[int(np.argmax(rates))]
+        return self._steady_choice(ybar, costs, trees_only=True)
 
     def _unmeasured(self, costs: Sequence[float]) -> bool:
         """Whether a bucket the choice may take is not measured yet (CostTable.estimate 0): the choice
@@ -879,9 +891,7 @@ class BudgetPolicy:
         left = np.asarray(remaining, dtype=np.float64).copy()
         for choice in self.pending:
             left[choice.rows] -= choice.expected
-        if self.copies is not None:
-            _, first = np.unique(self.copies[rows], return_index=True)
-            rows = rows[np.sort(first)]
+        rows = self._distinct(rows)
         pace, pace_variance = self.paces.estimate(rows)
         left = np.maximum(left[rows], 1.0)
         ybar, variance = self.calibration.long_run()
