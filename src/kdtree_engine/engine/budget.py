@@ -78,7 +78,7 @@ teaches the calibration that tree's acceptance and, through its nested counts, e
 There the test weighs the steady rates alone, with no tail, and a close answer makes a probe round in
 PROBE_STEPS + 1 cheap. Not with more requests: there a close answer for steps is often the tail's
 doing, and the probes' rounds, read as the trees' rates, turned calls back to trees that the tail then
-made slower (the simulator's batch 64 sampled-like setting, 0.979 -> 0.923 of the best).
+made slower (docs/engine.md has the simulator's figures).
 
 The chain at its lower bound. Only the chain's own rounds tell what it commits (a tree round tells its S,
 not its count), while every tree is also told by each larger tree's round: its estimate rests on fewer
