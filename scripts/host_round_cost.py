@@ -23,7 +23,8 @@ import torch
 
 from kdtree_engine.bench.plot import markdown_table
 from kdtree_engine.engine import loop
-from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+from kdtree_engine.engine.budget_estimates import MIN_COST_ROUNDS
 from kdtree_engine.engine.requests import Requests
 from kdtree_engine.engine.stats import GenerationStats
 

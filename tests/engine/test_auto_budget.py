@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
-from kdtree_engine.engine.budget import BudgetPolicy, CostTable, auto_buckets
+from kdtree_engine.engine.budget import BudgetPolicy, auto_buckets
+from kdtree_engine.engine.budget_estimates import CostTable
 from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import (
     HostPrefillGraphs,

@@ -11,20 +11,16 @@ import pytest
 import torch
 
 from kdtree_engine.engine import SamplingParams, accept_tokens
-from kdtree_engine.engine.budget import (
-    AUTO_BUCKETS,
+from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, choose, steady_rate
+from kdtree_engine.engine.budget_estimates import (
     COST_WINDOW,
     MIN_COST_ROUNDS,
     PRIOR_PAIRS,
     SLOPE_PAIRS,
-    BudgetPolicy,
     Calibration,
     CostTable,
-    bucket_sums,
-    choose,
-    path_probabilities,
-    steady_rate,
 )
+from kdtree_engine.ref.round_report import bucket_sums, path_probabilities
 from kdtree_engine.tree import DraftTree, build_tree_from_logits, compile_tree, logits_topk
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kdtree_engine.engine import budget
-from kdtree_engine.engine.budget import AUTO_BUCKETS, MIN_COST_ROUNDS, PICK_REASONS, PROBE_STEPS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, PICK_REASONS, PROBE_STEPS, BudgetPolicy
 from kdtree_engine.engine.budget_call import (
     KEEP_ROUNDS,
     CallTest,
@@ -16,6 +16,7 @@ from kdtree_engine.engine.budget_call import (
     expected_max_normal,
     steady_call_seconds,
 )
+from kdtree_engine.engine.budget_estimates import MIN_COST_ROUNDS
 
 
 @pytest.mark.parametrize(

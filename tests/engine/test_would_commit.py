@@ -1,4 +1,4 @@
-"""The counts each smaller tree would have committed on a round (engine.budget.would_commit) and the
+"""The counts each smaller tree would have committed on a round (ref.round_report.would_commit) and the
 policy's use of them: every tree bucket judged on the same rounds as the larger ones."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree_engine.engine.budget import BudgetPolicy, auto_buckets, would_commit
+from kdtree_engine.engine.budget import BudgetPolicy, auto_buckets
 from kdtree_engine.engine.sampling import SamplingParams, accept_tokens
+from kdtree_engine.ref.round_report import would_commit
 from kdtree_engine.tree import build_tree_from_logits
 
 BUCKETS = auto_buckets(15)  # 0 4 8 15 16 32 64: the chain is bucket 15
@@ -117,7 +118,7 @@ def test_the_engine_hands_the_policy_each_rounds_counts_at_the_smaller_trees(mon
 
 
 def test_observe_nested_is_observe_choices_and_observe_per_column_against_the_fit_before():
-    from kdtree_engine.engine.budget import Calibration
+    from kdtree_engine.engine.budget_estimates import Calibration
 
     rng = np.random.default_rng(2)
     seen, accepted, own = (rng.uniform(0.0, 5.0, (6, 3)) for _ in range(3))

@@ -1,5 +1,5 @@
 """The auto budget's round report in one launch (kernels.round_report) against its reference
-(engine.budget.round_report_ref: path_probabilities, round_sums, would_commit) on fresh random drafts:
+(ref.round_report.round_report_ref: path_probabilities, round_sums, would_commit) on fresh random drafts:
 ties, masked tokens (trees with unused nodes), every bucket of a tree round and the chain's round, the
 accepted paths the walk gives. Sums close (the kernel sums a node's ancestors in another order), the
 counts and every NaN exactly equal; on CUDA against the CPU reference."""
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdtree_engine.engine.budget import auto_buckets, report_codes, round_report, round_report_ref
+from kdtree_engine.engine.budget import auto_buckets, round_report
 from kdtree_engine.engine.loop import chain_of
+from kdtree_engine.ref.round_report import report_codes, round_report_ref
 from kdtree_engine.tree import accept_greedy, build_tree, compile_tree, logits_topk
 from kdtree_engine.tree_types import DraftTree
 

@@ -42,15 +42,7 @@ import numpy as np
 import torch
 
 from kdtree_engine.engine import checks
-from kdtree_engine.engine.budget import (
-    STEP_ROUNDS,
-    BudgetPolicy,
-    ReportCodes,
-    auto_buckets,
-    chain_bucket,
-    report_codes,
-    round_report,
-)
+from kdtree_engine.engine.budget import STEP_ROUNDS, BudgetPolicy, auto_buckets, chain_bucket, round_report
 from kdtree_engine.engine.commit import RoundState, commit_round
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
@@ -61,6 +53,7 @@ from kdtree_engine.engine.stats import GenerationStats, StageTimer
 from kdtree_engine.engine.text import StopStringMatcher
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
+from kdtree_engine.ref.round_report import ReportCodes, report_codes
 from kdtree_engine.ref.sampling import stream_key_table
 from kdtree_engine.tree import (
     AcceptResult,

@@ -1,4 +1,4 @@
-"""What a round of the auto budget tells its policy, in one launch: twin of engine.budget.round_report_ref
+"""What a round of the auto budget tells its policy, in one launch: twin of ref.round_report.round_report_ref
 (path_probabilities, round_sums and would_commit, about fifty small torch kernels per round inside the
 captured accept stage).
 
@@ -7,7 +7,7 @@ top-k row of its depth, the ancestor bits of the visibility mask (row i: node i 
 itself), and sums the log-probabilities along them: the nodes' path probabilities. The bucket columns
 are then masked sums of those (the first k nodes), the chain's S from the top-1 column of the top-k
 (a cumulative sum over the drafted positions), and the counts of accepted nodes of index <= k. Each
-column's meaning comes in as a code per bucket (engine.budget.report_codes), so the kernel knows
+column's meaning comes in as a code per bucket (ref.round_report.report_codes), so the kernel knows
 nothing of the bucket list; the output is float64, the round's copy's format.
 """
 
@@ -115,8 +115,8 @@ def round_report(
     sum_codes: torch.Tensor,
     would_codes: torch.Tensor,
 ) -> torch.Tensor:
-    """engine.budget.round_report_ref in one launch (inputs as there, already checked; the codes are
-    int32 device tensors of engine.budget.report_codes) -> [B, 2 len(codes)] float64."""
+    """ref.round_report.round_report_ref in one launch (inputs as there, already checked; the codes are
+    int32 device tensors of ref.round_report.report_codes) -> [B, 2 len(codes)] float64."""
     b, n = tree.tokens.shape
     _, depth, k = top_logprobs.shape
     nb, width = sum_codes.shape[0], accepted.shape[1]
