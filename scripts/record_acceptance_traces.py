@@ -24,7 +24,7 @@ import torch
 from kdtree_engine.assets import KIMI_NANO
 from kdtree_engine.bench.auto_sim import chain_count, counts_at_buckets
 from kdtree_engine.bench.e2e_nano import drafter_path, nano_drafter, nano_prompts
-from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, loop
+from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, loop, stages
 from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
 from kdtree_engine.engine.tokenizer import load_tokenizer
 from kdtree_engine.model import load_model
@@ -40,9 +40,9 @@ def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) 
     traces: list[list[dict]] = [[] for _ in prompts]
     pick, accept, choose, report = (
         BudgetPolicy.pick,
-        loop._Stages.accept,
-        loop._Stages._choose,
-        loop.round_report,
+        stages.Stages.accept,
+        stages.Stages._choose,
+        stages.round_report,
     )
     last: dict = {}
 
@@ -78,15 +78,15 @@ def record(target, drafter, prompts: list[list[int]], config: GenerationConfig) 
                     traces[b][-1]["chain"] = {"count": count, "censored": censored, "sum": chain_sums[b]}
 
     pipelined = loop._pipelined
-    BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = largest, recorded, kept
+    BudgetPolicy.pick, stages.Stages.accept, stages.Stages._choose = largest, recorded, kept
     # rounds one at a time on a GPU too: a round enqueued ahead of the last read would be recorded past
     # its requests' ends
-    loop.round_report, loop._pipelined = reported, lambda run, device: False
+    stages.round_report, loop._pipelined = reported, lambda run, device: False
     try:
         generate(target, drafter, prompts, config)
     finally:
-        BudgetPolicy.pick, loop._Stages.accept, loop._Stages._choose = pick, accept, choose
-        loop.round_report, loop._pipelined = report, pipelined
+        BudgetPolicy.pick, stages.Stages.accept, stages.Stages._choose = pick, accept, choose
+        stages.round_report, loop._pipelined = report, pipelined
     return traces
 
 

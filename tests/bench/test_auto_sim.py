@@ -277,7 +277,7 @@ def test_chain_count_from_a_tree_round_is_the_chains_own_unless_censored(seed):
     tree of 64 nodes."""
     import torch
 
-    from kdtree_engine.engine.loop import chain_of
+    from kdtree_engine.engine.stages import chain_of
     from kdtree_engine.tree import accept_greedy, build_tree, logits_topk
 
     gen = torch.Generator().manual_seed(seed)

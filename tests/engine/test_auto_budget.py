@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
+from kdtree_engine.engine import stages as round_stages
 from kdtree_engine.engine.budget import BudgetPolicy, auto_buckets
 from kdtree_engine.engine.budget_estimates import CostTable
 from kdtree_engine.model import greedy_generate
@@ -210,7 +211,7 @@ def test_a_round_first_run_at_a_calls_end_is_captured_for_the_next_call(monkeypa
     """A bucket first picked for a call's last rounds (read, or enqueued ahead and discarded) is
     captured after them, so that the Runner's next identical call runs no eager round (graphs stood in
     for on the CPU: the loop's bookkeeping of what is captured, not CUDA's capture)."""
-    monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(round_stages, "use_graphs", lambda run, device: True)
     monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
     monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)
@@ -232,7 +233,7 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch, pipelin
     bucket's, each after autoregressive steps, plain decoding's step): its second call, picking all of
     them, runs no eager round and captures nothing, and both commit plain greedy decoding's tokens
     (graphs stood in for on the CPU). generate(), one call, captures nothing for later."""
-    monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(round_stages, "use_graphs", lambda run, device: True)
     monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
     monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)

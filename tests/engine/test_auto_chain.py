@@ -14,7 +14,7 @@ import torch
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, accept_tokens, generate
 from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, auto_buckets
 from kdtree_engine.engine.budget_estimates import CostTable
-from kdtree_engine.engine.loop import chain_of
+from kdtree_engine.engine.stages import chain_of
 from kdtree_engine.model import greedy_generate
 from kdtree_engine.ref.round_report import bucket_sums, chain_sums, path_probabilities, round_sums
 from kdtree_engine.tree import build_tree_from_logits, compile_tree, logits_topk

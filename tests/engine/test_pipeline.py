@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, loop
+from kdtree_engine.engine import stages as round_stages
 from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import HostPrefillGraphs, OracleDrafter, random_prompts, tiny_drafter, tiny_target
 
@@ -142,7 +143,7 @@ def test_steady_rounds_never_sync_the_device(monkeypatch, budget):
     at its start and end and twice per capture, and nowhere else, or the host's work of each round
     would stop overlapping the device's."""
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: True)
-    monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(round_stages, "use_graphs", lambda run, device: True)
     monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
     monkeypatch.setattr(loop, "_Graphs", _HostGraphs)
     syncs = []

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kdtree_engine.engine import GenerationConfig, Runner, generate, loop
+from kdtree_engine.engine import stages as round_stages
 from kdtree_engine.engine.prefill import prefill_width
 from kdtree_engine.model import greedy_generate
 from kdtree_engine.model.greedy import pad_prompts
@@ -40,7 +41,7 @@ def stood_in(monkeypatch):
     """Graphs on (stood in for on the CPU) for the prefill and the rounds."""
     from tests.engine.test_auto_budget import _RecordedGraphs
 
-    monkeypatch.setattr(loop, "_use_graphs", lambda run, device: True)
+    monkeypatch.setattr(round_stages, "use_graphs", lambda run, device: True)
     monkeypatch.setattr(loop, "_Graphs", _RecordedGraphs)
     monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
 

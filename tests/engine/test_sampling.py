@@ -12,7 +12,7 @@ import torch
 
 from kdtree_engine.drafter import random_drafter, tiny_drafter_config
 from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, target_probs
-from kdtree_engine.engine import loop as generate_module
+from kdtree_engine.engine import stages as round_stages
 from kdtree_engine.model import random_model, tiny_config
 from kdtree_engine.tree import accept_greedy, accept_sampled
 
@@ -111,7 +111,7 @@ def test_wrong_samplers_are_rejected(monkeypatch):
     """The same test must reject (a) a mis-tempered sampler and (b) a tree-specific bug: sampling the
     root but taking the argmax at the other nodes (biases the tokens after the first drafted one)."""
     params = PARAMS[0]
-    right = generate_module.accept_tokens
+    right = round_stages.accept_tokens
 
     def hot(tree, logits, p, **kw):
         return right(tree, logits, SamplingParams(1.6), **kw)
@@ -121,9 +121,9 @@ def test_wrong_samplers_are_rejected(monkeypatch):
         tokens[:, 1:] = logits[:, 1:].argmax(-1)
         return accept_greedy(tree, tokens)
 
-    monkeypatch.setattr(generate_module, "accept_tokens", hot)
+    monkeypatch.setattr(round_stages, "accept_tokens", hot)
     assert any(r.startswith("t1:") for r in _rejections(_draws(params), params))
-    monkeypatch.setattr(generate_module, "accept_tokens", greedy_below_root)
+    monkeypatch.setattr(round_stages, "accept_tokens", greedy_below_root)
     bad = _rejections(_draws(params), params)
     assert any(r.startswith("t3:") for r in bad) and not any(r.startswith("t1:") for r in bad)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdtree_engine.engine.budget import auto_buckets, round_report
-from kdtree_engine.engine.loop import chain_of
+from kdtree_engine.engine.stages import chain_of
 from kdtree_engine.ref.round_report import report_codes, round_report_ref
 from kdtree_engine.tree import accept_greedy, build_tree, compile_tree, logits_topk
 from kdtree_engine.tree_types import DraftTree

@@ -8,11 +8,12 @@ KV rows are compacted to start[b]..start[b]+n-1 and the rest dropped, and the ta
 accepted node becomes the next bonus. DFlash is the same loop with a chain tree, so greedy DDTree,
 greedy DFlash and greedy autoregressive decoding all commit the target's argmax at every position.
 
-A round is a fixed sequence of stages (draft, tree_build, compile, verify, accept) over device tensors
-allocated once (`_State`): no stage reads a tensor on the host, and the batch keeps its rows until every
-request is done (a finished row keeps running but commits nothing). So every stage can be captured in a
-CUDA graph after the first round and replayed (`_Graphs`); the host reads the round's committed tokens
-with one device-to-host copy per round. Eager rounds run the same code, so they give the same tokens.
+A round is a fixed sequence of stages (draft, tree_build, compile, verify, accept; engine/stages.py) over
+device tensors allocated once (`State`): no stage reads a tensor on the host, and the batch keeps its rows
+until every request is done (a finished row keeps running but commits nothing). So every stage can be
+captured in a CUDA graph after the first round and replayed (`_Graphs`); the host reads the round's
+committed tokens with one device-to-host copy per round. Eager rounds run the same code, so they give
+the same tokens.
 
 Since a round needs nothing from the host, on CUDA the host enqueues round k + 1 before it waits for
 round k (`_Rounds`, two pinned copy slots): the device runs rounds back to back while the host copies,
@@ -32,37 +33,24 @@ that same per-round copy); a finished request's row stays in the batch and commi
 
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kdtree_engine.engine import checks
-from kdtree_engine.engine.budget import STEP_ROUNDS, BudgetPolicy, auto_buckets, chain_bucket, round_report
-from kdtree_engine.engine.commit import RoundState, commit_round
+from kdtree_engine.engine import checks, stages
+from kdtree_engine.engine.budget import STEP_ROUNDS, BudgetPolicy
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
 from kdtree_engine.engine.prefill import PrefillGraphs, prefill_forward, prefill_width
 from kdtree_engine.engine.requests import OnTokens, Requests
-from kdtree_engine.engine.sampling import accept_tokens, root_tree
+from kdtree_engine.engine.stages import Run, Stage, Stages, State, chain_tree, pick_token
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
 from kdtree_engine.engine.text import StopStringMatcher
 from kdtree_engine.impl import resolve_impl
 from kdtree_engine.model.greedy import pad_prompts
-from kdtree_engine.ref.round_report import ReportCodes, report_codes
-from kdtree_engine.ref.sampling import stream_key_table
-from kdtree_engine.tree import (
-    AcceptResult,
-    DraftTree,
-    build_tree,
-    build_tree_from_logits,
-    compile_tree,
-    logits_topk,
-)
 
 __all__ = ["METHODS", "GenerationConfig", "GenerationOutput", "Runner", "chain_tree", "generate"]
 
@@ -73,112 +61,6 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-def chain_tree(draft_logits: torch.Tensor) -> DraftTree:
-    """DFlash's single chain: the argmax of each drafted position, node i+1 at depth i+1 under node i.
-    draft_logits [B, L, V] -> DraftTree with budget L."""
-    return chain_of(draft_logits.argmax(-1))
-
-
-def chain_of(tokens: torch.Tensor) -> DraftTree:
-    """The chain of `tokens` [B, L] (int64, one per drafted position): node i+1 at depth i+1 under node
-    i, budget L."""
-    b, depth = tokens.shape
-    dev = tokens.device
-    ar = torch.arange(depth + 1, device=dev)
-    return DraftTree(
-        tokens=tokens,
-        depths=(ar[1:]).expand(b, depth).contiguous(),
-        parents=(ar - 1).expand(b, depth + 1).contiguous(),
-        num_nodes=torch.full((b,), depth, dtype=torch.int64, device=dev),
-        max_depth=depth,
-    )
-
-
-@dataclass
-class _State:
-    """The device tensors of one generate() call, updated in place by every round (CUDA graphs replay
-    on their addresses).
-
-    cache: the target's LatentKVCache; dcache: the drafter's cache (None for autoregressive); start [B]
-    cached rows = position of the bonus token; bonus [B] the last committed token, not yet cached; active
-    [B] bool: the request still runs; ctx [B, L + 1, F] / ctx_lens [B]: target features of the rows the
-    last round committed, which the drafter has not seen yet (None for autoregressive; written by the
-    first round's accept); prompt_ctx [B, T, F]: the prompts' features, read by the first draft of a call
-    instead of ctx, then None; prompt_static: prompt_ctx is a prefill graph's output (the same tensor in
-    every call of its width, so that the first draft can be captured too); committed [B, 1 + W]: what
-    the last round committed per request, for the host in one copy: the count n, then the n tokens
-    (allocated by the first round)."""
-
-    cache: object
-    dcache: object | None
-    start: torch.Tensor
-    bonus: torch.Tensor
-    active: torch.Tensor
-    ctx: torch.Tensor | None = None
-    ctx_lens: torch.Tensor | None = None
-    committed: torch.Tensor | None = None
-    prompt_ctx: torch.Tensor | None = None
-    prompt_static: bool = False
-
-    def put(self, name: str, value: torch.Tensor) -> None:
-        """Writes value into the tensor `name` in place (a new tensor the first time or on a new shape)."""
-        old = getattr(self, name)
-        if old is None or old.shape != value.shape:
-            setattr(self, name, value.clone())
-        else:
-            old.copy_(value)
-
-
-@dataclass
-class _Run:
-    """Everything one generate() call shares across rounds."""
-
-    target: object
-    drafter: object | None
-    config: GenerationConfig
-    budget: int  # nodes verified per round besides the root (0 for autoregressive decoding)
-    noise_seed: int  # config.seed mod 2^64: the key of the sampled mode's counter-based noise
-    limit: int | None  # the target's context length (positions < limit)
-    max_len: int  # cache rows per request
-    reqs: Requests
-    stats: GenerationStats
-    timer: StageTimer
-    draws: int = 0  # target-token choices so far: the noise offset of the next one
-    copies: list[int] | None = None  # auto budget, greedy: per request, the first with its prompt and limit
-    rows_hint: int | None = None  # rows a request's own tokens fill at most (the cache's rows_hint)
-
-    @property
-    def impl(self) -> str | None:
-        return self.config.impl
-
-    @property
-    def capture(self) -> tuple[int, ...]:
-        return tuple(int(i) for i in self.drafter.target_layer_ids) if self.drafter is not None else ()
-
-
-def _step_tail(batch: int, width: int, buckets: int, device: torch.device) -> torch.Tensor:
-    """The auto budget's copy of an autoregressive step past its one token ([batch, width - 1 + 2
-    buckets] int64): the empty token slots, then a report of NaN (no draft), made once outside any
-    capture so that a step's commit is one launch."""
-    nan = torch.full((batch, 2 * buckets), float("nan"), dtype=torch.float64, device=device)
-    return torch.cat(
-        [torch.zeros(batch, width - 1, dtype=torch.int64, device=device), nan.view(torch.int64)], 1
-    )
-
-
-def _accept(run: _Run, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
-    """The target's token at every node (argmax or sample, a fresh noise offset per call), then the walk."""
-    sampling = run.config.sampling
-    acc = accept_tokens(tree, logits, sampling, seed=run.noise_seed, offset=run.draws, impl=run.impl)
-    run.draws += 1
-    return acc
-
-
-def _pick(run: _Run, logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] -> the target's token [B] (argmax or sample): accept on root-only trees."""
-    return _accept(run, root_tree(logits.shape[0], logits.device), logits[:, None]).bonus
-
-
 def _reset_cache(cache) -> None:
     """Empties a cache kept from an earlier call in place (its rows past the lengths are never read)."""
     seqlens = getattr(cache, "seqlens", None)
@@ -186,8 +68,8 @@ def _reset_cache(cache) -> None:
         seqlens.zero_()
 
 
-def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None,
-             graphs: PrefillGraphs | None = None, width: int | None = None) -> _State:  # fmt: skip
+def _prefill(run: Run, prompts: list[list[int]], state: State | None = None,
+             graphs: PrefillGraphs | None = None, width: int | None = None) -> State:  # fmt: skip
     """Prefill of the ragged prompts, padded to `width` (default: the longest), capturing the drafter's
     target layers; commits each request's first token, chosen from its last real row. `state`: the
     state of an earlier call of the same shape (a Runner's), reset and written in place; None: a new
@@ -207,7 +89,7 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None,
             out = graph.run(ids, lens)
         else:  # with graphs, unvalidated as the capture is: the same attention plan, the same bits
             out = prefill_forward(run, cache, ids, lens, validate=graphs is None)
-        bonus = _pick(run, out.logits[:, 0])  # [B]
+        bonus = pick_token(run, out.logits[:, 0])  # [B]
     if graphs is not None and graph is None:
         t0 = run.timer.now()  # a device sync: only around a capture
         graphs.capture(run, cache, ids, lens)
@@ -218,7 +100,7 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None,
     active = torch.from_numpy(run.reqs.active.copy()).to(lens.device)
     if state is None:
         dcache = run.drafter.new_cache(b, run.max_len) if run.drafter is not None else None
-        state = _State(cache=cache, dcache=dcache, start=lens.clone(), bonus=bonus.clone(), active=active,
+        state = State(cache=cache, dcache=dcache, start=lens.clone(), bonus=bonus.clone(), active=active,
                        ctx_lens=lens.clone())  # fmt: skip
     else:
         state.start.copy_(lens)
@@ -230,231 +112,8 @@ def _prefill(run: _Run, prompts: list[list[int]], state: _State | None = None,
     return state
 
 
-class _Stage(NamedTuple):
-    """One stage of a round: `name` its timer's (engine.stats.STAGES), `key` its graph's (a stage of one
-    bucket of the auto budget: "verify@8"), whether it can be captured."""
-
-    name: str
-    fn: Callable[[], None]
-    capturable: bool
-    key: str
-
-
-class _Stages:
-    """The stages of one round of run.config.method on `state`, in order, per bucket (the budget of the
-    round: one bucket for a fixed budget; engine.budget.auto_buckets with budget "auto", 0 being an
-    autoregressive step that feeds the drafter's context). Each stage reads and writes device tensors
-    only: the state, in place, and the outputs of the stages before it in the round (attributes of this
-    object)."""
-
-    def __init__(self, run: _Run, state: _State) -> None:
-        self.run, self.s = run, state
-        self.keys = self.draw = None
-        # per bucket: its tree, its verify inputs (ids, positions, visibility), its report's codes (auto)
-        self.trees: dict[int, DraftTree] = {}
-        self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.codes: dict[int, ReportCodes] = {}
-        self.topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.frozen = False  # set once graphs hold the stages' outputs: eager stages then copy into them
-        self.prompt_stages: dict[int, _Stage] = {}  # a call's first draft per prefill width (prompt_stage)
-        device = state.start.device
-        if not run.config.sampling.greedy and _use_graphs(run, device):
-            # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
-            table = stream_key_table(run.noise_seed, run.max_len + 3)  # draws <= rounds + 2 <= max_len + 3
-            self.keys = table.to(device)
-            self.draw = torch.tensor([run.draws], device=device)
-        accept = run.config.sampling.greedy or self.keys is not None  # capturable
-        drafter = self.drafter_capturable = bool(getattr(run.drafter, "capturable", False))
-        auto = run.config.auto_budget
-        chain_nodes = run.drafter.block_size - 1 if auto else None
-        self.buckets = auto_buckets(chain_nodes) if auto else (run.budget,)
-        self.chain = chain_bucket(self.buckets) if auto else None  # DFlash's chain
-        self.step_tail = None  # auto budget: what an autoregressive step's copy holds past its token
-        if auto:
-            self.codes = {n: report_codes(self.buckets, n, self.chain, device) for n in self.buckets if n}
-            self.step_tail = _step_tail(
-                state.start.shape[0], run.drafter.block_size, len(self.buckets), device
-            )
-        self.orders: dict[int, list[_Stage]] = {}
-        self.after_steps: dict[int, list[_Stage]] = {}  # auto budget: a bucket's round after AR steps
-        self.plain_step: list[_Stage] = []  # auto budget: a step of a call given to steps
-        if run.config.method == "autoregressive":
-            self.orders[0] = [_Stage("verify", self.decode, True, "verify"),
-                              _Stage("accept", self.accept_one, accept, "accept")]  # fmt: skip
-            return
-        for n in self.buckets:
-            tag = f"@{n}" if auto else ""
-            if auto and n == 0:
-                decode = functools.partial(self.decode, into_context=True)
-                self.orders[0] = [_Stage("verify", decode, True, "verify@0"),
-                                  _Stage("accept", self.accept_one, accept, "accept@0")]  # fmt: skip
-                # a call given to steps (BudgetPolicy.stepping): plain decoding's step, no features kept
-                self.plain_step = [_Stage("verify", self.decode, True, "verify@steps"), self.orders[0][1]]
-                continue
-            verify, accept_n = functools.partial(self.verify, n), functools.partial(self.accept, n)
-            build, compile_n = functools.partial(self.tree_build, n), functools.partial(self.compile, n)
-            self.orders[n] = [
-                _Stage("draft", self.draft, drafter, "draft"),
-                _Stage("tree_build", build, True, "tree_build" + tag),
-                _Stage("compile", compile_n, True, "compile" + tag),
-                _Stage("verify", verify, True, "verify" + tag),
-                _Stage("accept", accept_n, accept, "accept" + tag),
-            ]
-            if auto:  # after autoregressive steps: the draft reads the whole context buffer
-                wide = _Stage("draft", functools.partial(self.draft, wide=True), drafter, "draft_wide")
-                self.after_steps[n] = [wide, *self.orders[n][1:]]
-
-    def _choose(self, tree: DraftTree, logits: torch.Tensor) -> AcceptResult:
-        """_accept, with the sampled draw's keys read on the device when the stages are captured."""
-        if self.keys is None:
-            return _accept(self.run, tree, logits)
-        keys = self.keys.index_select(0, self.draw.clamp(max=self.keys.shape[0] - 1)).view(2)
-        config = self.run.config
-        acc = accept_tokens(tree, logits, config.sampling, seed=self.run.noise_seed, offset=None,
-                            impl=config.impl, stream_keys=keys)  # fmt: skip
-        self.draw.add_(1)
-        return acc
-
-    def _put(self, name: str, value: torch.Tensor) -> None:
-        old = getattr(self, name, None)
-        if self.frozen and old is not None:
-            old.copy_(value)
-        else:
-            setattr(self, name, value)
-
-    def draft(self, wide: bool = False) -> None:
-        """The drafter on the features it has not seen: the prompts' in a call's first round, else those
-        of the rows committed since its last call. With the auto budget the context buffer holds the
-        rows of one round and STEP_ROUNDS (L + 1) more: a draft after a speculative round reads its
-        first L + 1 rows, one after autoregressive steps (`wide`) the whole of it."""
-        run, s = self.run, self.s
-        ctx = s.prompt_ctx if s.prompt_ctx is not None else s.ctx
-        if s.prompt_ctx is None and run.config.auto_budget and not wide:
-            ctx = ctx[:, : run.drafter.block_size]  # the rows of one round: the buffer's first L + 1
-        s.prompt_ctx = None
-        self.draft_from(ctx)
-
-    def prompt_stage(self, ctx: torch.Tensor) -> _Stage:
-        """The first draft of a call whose prompts' features are a prefill graph's output `ctx` [B, T, F]
-        (the same tensor in every call of width T): a stage of its own per width, captured like the
-        others."""
-        stage = self.prompt_stages.get(ctx.shape[1])
-        if stage is None or stage.fn.args[0] is not ctx:
-            fn = functools.partial(self.draft_from, ctx)
-            stage = _Stage("draft", fn, self.drafter_capturable, f"draft@prompts{ctx.shape[1]}")
-            self.prompt_stages[ctx.shape[1]] = stage
-        return stage
-
-    def draft_from(self, ctx: torch.Tensor) -> None:
-        """The drafter on the context features `ctx` (a call's first draft: the prompts')."""
-        run, s = self.run, self.s
-        self._put(
-            "draft_logits",
-            run.drafter.draft(run.target, ctx, s.ctx_lens, s.bonus, s.start, s.dcache, impl=run.impl),
-        )
-
-    def reuse(self, run: _Run) -> None:
-        """Binds the stages to the next call's run (a Runner's later call): its sampled draws start at
-        run.draws, keyed by its seed, in the key table the captured accept reads."""
-        self.run = run
-        if self.keys is not None:
-            self.keys.copy_(stream_key_table(run.noise_seed, self.keys.shape[0]).to(self.keys.device))
-            self.draw.fill_(run.draws)
-
-    def tree_build(self, n: int) -> None:
-        """The tree of bucket n (each bucket its own outputs: a captured graph writes them); with the
-        auto budget, from a top-k kept for the nodes' log-probabilities."""
-        run = self.run
-        if run.config.method == "dflash":
-            self.trees[n] = chain_tree(self.draft_logits)  # [B, L, V] -> L nodes
-        elif n == self.chain:  # the auto budget's chain: the top-1 of each position, its log-probability
-            self.topk[n] = logits_topk(self.draft_logits, 1, impl=run.impl, validate=False)
-            self.trees[n] = chain_of(self.topk[n][1][..., 0])
-        elif run.config.auto_budget:
-            self.topk[n] = logits_topk(self.draft_logits, n, impl=run.impl, validate=False)
-            self.trees[n] = build_tree(*self.topk[n], n, impl=run.impl, validate=False)
-        else:
-            self.trees[n] = build_tree_from_logits(self.draft_logits, n, impl=run.impl, validate=False)
-
-    def compile(self, n: int) -> None:
-        """The verify inputs of bucket n's tree."""
-        run, s, tree = self.run, self.s, self.trees[n]
-        vin = compile_tree(tree, s.bonus, s.start, impl=run.impl, validate=False)
-        # Nodes past the context limit can never be committed; clamping keeps rope tables in range.
-        pos = vin.positions if run.limit is None else vin.positions.clamp(max=run.limit - 1)
-        self.inputs[n] = (vin.input_ids, pos, vin.visibility)
-
-    def _first(self, n: int) -> tuple[DraftTree, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tree, input_ids, positions, visibility) of bucket n."""
-        return self.trees[n], *self.inputs[n]
-
-    def verify(self, n: int) -> None:
-        run, s = self.run, self.s
-        _, ids, positions, visibility = self._first(n)
-        out = run.target(ids, s.cache, positions=positions, visibility=visibility, capture_layers=run.capture,
-                         impl=run.impl, validate=False, row_invariant=run.config.row_invariant)  # fmt: skip
-        setattr(self, f"out_{n}", out)  # logits [B, n + 1, V], hidden [B, n + 1, F]
-
-    def accept(self, n: int) -> None:
-        """The walk, then the commit on the device (engine.commit): the accepted rows of the target cache,
-        their features for the drafter, the committed tokens (accepted nodes after the root, then the
-        bonus token), the bonus token and the cache length."""
-        s, out, run = self.s, getattr(self, f"out_{n}"), self.run
-        tree, ids, _, _ = self._first(n)
-        acc = self._choose(tree, out.logits)
-        count = acc.accept_len * s.active  # tokens committed per request (0 once it is done)
-        s.cache.compact(s.start, acc.accepted, count, validate=False, impl=run.impl)
-        (b, w), auto = acc.accepted.shape, run.config.auto_budget
-        if s.ctx is None:  # auto: room for the rows of the autoregressive steps after it
-            rows = (1 + STEP_ROUNDS) * w if auto else w
-            s.ctx = out.hidden.new_zeros(b, rows, out.hidden.shape[-1])
-        slots = run.drafter.block_size if auto else w
-        if s.committed is None:
-            width = 1 + slots + (2 * len(self.buckets) if auto else 0)
-            s.committed = torch.zeros(b, width, dtype=torch.int64, device=count.device)
-        report = None
-        if auto:  # before the commit: it reads the accepted nodes only
-            report = round_report(*self.topk[n], tree, self.inputs[n][2], acc.accepted, self.codes[n],
-                                  impl=run.impl)  # fmt: skip
-        state = RoundState(s.ctx[:, :w], s.ctx_lens, s.committed, s.bonus, s.start)
-        commit_round(count, acc.accepted, acc.bonus, ids, out.hidden, s.active, state, slots, impl=run.impl)
-        if report is not None:
-            s.committed[:, 1 + slots :].copy_(report.view(torch.int64))
-
-    def _commit_step(self, count: torch.Tensor, token: torch.Tensor) -> None:
-        """An autoregressive step's copy for the host: the count and the token [B, 1], with the auto
-        budget then the tree rounds' other token slots and a report of NaN (no draft; the tree rounds'
-        copy is written by engine.commit)."""
-        tail = [self.step_tail] if self.run.config.auto_budget else []
-        self.s.put("committed", torch.cat([count[:, None], token, *tail], dim=1))
-
-    def decode(self, into_context: bool = False) -> None:
-        """One decode forward of the bonus tokens. into_context (the auto budget's autoregressive step):
-        it also captures the drafter's target layers and appends the token's features to the drafter's
-        context (the next draft reads every row committed since the last one)."""
-        run, s = self.run, self.s
-        lengths = s.active.long()  # a done request rewrites its row and keeps its length
-        capture = run.capture if into_context else ()
-        out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=capture, impl=run.impl,
-                         validate=False, row_invariant=run.config.row_invariant)  # fmt: skip
-        self._put("logits", out.logits)  # one tensor for both steps: accept@0's graph reads it
-        if into_context:
-            at = s.ctx_lens.clamp(max=s.ctx.shape[1] - 1)[:, None, None].expand(-1, 1, s.ctx.shape[-1])
-            s.ctx.scatter_(1, at, out.hidden)
-            s.ctx_lens.add_(lengths)
-
-    def accept_one(self) -> None:
-        s = self.s
-        logits = self.logits[:, :1]
-        token = self._choose(root_tree(logits.shape[0], logits.device), logits).bonus
-        n = s.active.long()
-        self._commit_step(n, token[:, None])
-        s.bonus.copy_(torch.where(s.active, token, s.bonus))
-        s.start.add_(n)
-
-
 class _Graphs:
-    """CUDA graphs of the capturable stages of a _Stages (one memory pool), each captured once, keyed by
+    """CUDA graphs of the capturable stages of a Stages (one memory pool), each captured once, keyed by
     the stage's key, after one eager run of it (which compiles the kernels and gives the drafter context
     its per-round shape); a bucket of the auto budget is captured after its first round."""
 
@@ -462,10 +121,10 @@ class _Graphs:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def missing(self, order: list[_Stage]) -> bool:
+    def missing(self, order: list[Stage]) -> bool:
         return any(st.capturable and st.key not in self.graphs for st in order)
 
-    def capture(self, stages: _Stages, order: list[_Stage]) -> None:
+    def capture(self, stages: Stages, order: list[Stage]) -> None:
         for st in order:
             if st.capturable and st.key not in self.graphs:
                 graph = torch.cuda.CUDAGraph()
@@ -474,24 +133,12 @@ class _Graphs:
                 self.graphs[st.key] = graph
         stages.frozen = True
 
-    def run(self, stage: _Stage) -> None:
+    def run(self, stage: Stage) -> None:
         graph = self.graphs.get(stage.key)
         graph.replay() if graph is not None else stage.fn()
 
 
-def _use_graphs(run: _Run, device: torch.device) -> bool:
-    """config.cuda_graphs, or by default: on CUDA with a kernel impl (the "ref" ops read values on the
-    host)."""
-    wanted = run.config.cuda_graphs
-    possible = device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
-    if wanted and not possible:
-        raise ValueError(
-            "cuda_graphs: needs a CUDA target and a kernel impl (impl 'triton', 'hopper' or None)"
-        )
-    return possible if wanted is None else wanted
-
-
-def _check_row_invariant(run: _Run, device: torch.device) -> None:
+def _check_row_invariant(run: Run, device: torch.device) -> None:
     """config.row_invariant needs the kernels: the reference ops (cuBLAS, torch's matmuls on the CPU) give
     a row other bits at other batch and tree sizes, so the promise would silently not hold."""
     if run.config.row_invariant and resolve_impl(run.impl, device) != "triton":
@@ -508,14 +155,14 @@ class _HostCopy:
 
     SLOTS = 2
 
-    def __init__(self, state: _State) -> None:
+    def __init__(self, state: State) -> None:
         cuda = state.committed.device.type == "cuda"
         shape, self.sent = state.committed.shape, 0
         self.slots = [torch.empty(shape, dtype=torch.int64, pin_memory=cuda) for _ in range(self.SLOTS)]
         self.events = [torch.cuda.Event() if cuda else None for _ in range(self.SLOTS)]
         self.in_flight: list[int] = []  # slots sent and not read yet, oldest first
 
-    def send(self, state: _State) -> None:
+    def send(self, state: State) -> None:
         """Enqueues the copy of the round just enqueued (stream order: after its stages)."""
         slot = self.sent % self.SLOTS
         if slot in self.in_flight:
@@ -544,7 +191,7 @@ class _HostCopy:
         return data[:, 1:width].copy(), data[:, 0].copy(), floats
 
 
-def _commit(run: _Run, state: _State, tokens: np.ndarray, counts: np.ndarray) -> None:
+def _commit(run: Run, state: State, tokens: np.ndarray, counts: np.ndarray) -> None:
     """Hands each running request its tokens of the round; tells the device which requests are done
     (a copy from pinned memory in stream order: the rounds enqueued after it see it; a round already in
     flight still runs the request, and the host drops what it commits)."""
@@ -559,14 +206,14 @@ def _commit(run: _Run, state: _State, tokens: np.ndarray, counts: np.ndarray) ->
         state.active.copy_(active, non_blocking=True)
 
 
-def _pipelined(run: _Run, device: torch.device) -> bool:
+def _pipelined(run: Run, device: torch.device) -> bool:
     """Whether the host enqueues the next round before reading the last one (module docstring): on CUDA
     with a kernel impl, whose stages read nothing on the host. On the CPU the host is the device, and
     a round enqueued ahead would only add the wasted last one."""
     return device.type == "cuda" and resolve_impl(run.impl, device) == "triton"
 
 
-def _round_commits_at_most(run: _Run, bucket: int) -> int:
+def _round_commits_at_most(run: Run, bucket: int) -> int:
     """The most tokens a round of `bucket` commits to a request: one for bucket 0 (an autoregressive
     step, the auto budget's included), else the bonus token after at most L accepted drafted tokens
     (L + 1, the drafter's block: DDTree, DFlash and the auto budget's trees)."""
@@ -575,7 +222,7 @@ def _round_commits_at_most(run: _Run, bucket: int) -> int:
     return int(run.drafter.block_size)
 
 
-def _may_be_last(run: _Run, rounds: _Rounds) -> bool:
+def _may_be_last(run: Run, rounds: _Rounds) -> bool:
     """True when the round in flight may finish every running request (each within the most tokens that
     round commits to it): the host then reads it before it enqueues another (module docstring)."""
     return run.reqs.could_end_within(_round_commits_at_most(run, rounds.flight[-1].bucket))
@@ -588,7 +235,7 @@ class _InFlight:
     round without graphs: no compiles, no prompts), and on the CPU the host's seconds of its stages."""
 
     bucket: int
-    order: list[_Stage]
+    order: list[Stage]
     representative: bool = False
     seconds: float | None = None
 
@@ -598,13 +245,13 @@ class _Rounds:
     them back in order. Kept by a Runner across calls: its stages, graphs, copy slots and, with the
     auto budget, its policy (costs and calibration)."""
 
-    def __init__(self, run: _Run, state: _State) -> None:
+    def __init__(self, run: Run, state: State) -> None:
         self.run, self.state = run, state
-        self.stages, self.graphs, self.host = _Stages(run, state), None, None
+        self.stages, self.graphs, self.host = Stages(run, state), None, None
         self.flight: list[_InFlight] = []
         self.last_read: float | None = None  # the host clock at the last round read
         self.steps = 0  # autoregressive steps enqueued since the last draft (auto budget)
-        self.eager = not _use_graphs(run, state.start.device)  # rounds never captured
+        self.eager = not stages.use_graphs(run, state.start.device)  # rounds never captured
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
         depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
@@ -616,7 +263,7 @@ class _Rounds:
     def in_flight(self) -> int:
         return len(self.flight)
 
-    def reuse(self, run: _Run, state: _State) -> None:
+    def reuse(self, run: Run, state: State) -> None:
         """Binds the rounds to the next call (the same state, reset and prefilled in place)."""
         if state is not self.state:
             raise RuntimeError("_Rounds.reuse: a call of another state")
@@ -662,7 +309,7 @@ class _Rounds:
         self.host.send(self.state)
         self.flight.append(entry)
 
-    def _with_prompts(self, order: list[_Stage]) -> list[_Stage]:
+    def _with_prompts(self, order: list[Stage]) -> list[Stage]:
         """A call's first round when its prompts' features are a prefill graph's output: its draft is
         that width's prompt stage (replayed once captured), and the features are taken as read."""
         s = self.state
@@ -703,25 +350,25 @@ class _Rounds:
             return None
         return time.perf_counter() - self.last_read
 
-    def uncaptured(self, order: list[_Stage]) -> bool:
+    def uncaptured(self, order: list[Stage]) -> bool:
         """Whether a capturable stage of `order` has no graph yet."""
         return self.graphs is None or self.graphs.missing(order)
 
-    def capture(self, order: list[_Stage]) -> None:
+    def capture(self, order: list[Stage]) -> None:
         """Captures the stages of a round's `order` not captured yet (after their first, eager, round)."""
         if self.graphs is None:
             self.graphs = _Graphs()
         self.graphs.capture(self.stages, order)
         self.last_read = None  # the next read's interval holds the capture
 
-    def every_order(self) -> list[list[_Stage]]:
+    def every_order(self) -> list[list[Stage]]:
         """Every order of stages a round may run: each bucket's, each bucket's after autoregressive
         steps (auto budget), and plain decoding's step of a call given to steps."""
         st = self.stages
         orders = [*st.orders.values(), *st.after_steps.values()]
         return orders + [st.plain_step] if st.plain_step else orders
 
-    def the_rest(self, prompt_ctxs: Sequence[torch.Tensor] = ()) -> list[list[_Stage]]:
+    def the_rest(self, prompt_ctxs: Sequence[torch.Tensor] = ()) -> list[list[Stage]]:
         """After a call (every request done), the orders of stages not captured yet (run_and_capture
         each, and no later call of a Runner runs a round eagerly whichever bucket its policy picks, as
         a serving engine captures every shape at startup), with a first round's draft for each prefill
@@ -735,7 +382,7 @@ class _Rounds:
             orders += [[self.stages.prompt_stage(ctx), *drafting[1:]] for ctx in prompt_ctxs]
         return [order for order in orders if self.uncaptured(order)]
 
-    def run_and_capture(self, order: list[_Stage]) -> None:
+    def run_and_capture(self, order: list[Stage]) -> None:
         """Runs `order` once, eagerly (compiling its kernels), and captures it, every request done: the
         round commits nothing, a finished row keeps its cache length and context (as rounds enqueued
         past a call's end do), and the drafter's pending context rows are held back meanwhile."""
@@ -746,7 +393,7 @@ class _Rounds:
         self.capture(order)
         self.state.ctx_lens.copy_(pending)
 
-    def discard(self) -> list[list[_Stage]]:
+    def discard(self) -> list[list[Stage]]:
         """Forgets the rounds still in flight (enqueued ahead, past the last request's end): their
         stage times are dropped and they are counted in stats.discarded_rounds. Returns their orders
         (to be captured like a round read: they ran)."""
@@ -759,7 +406,7 @@ class _Rounds:
         return orders
 
 
-def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | None = None) -> _Rounds:
+def _decode(run: Run, state: State, device: torch.device, rounds: _Rounds | None = None) -> _Rounds:
     """The decoding rounds; returns them (with their graphs) for a later call of the same shape. Once
     the stages are captured (or will never be), the host enqueues round k + 1 before it reads round k,
     so the device runs rounds back to back while the host copies, commits and streams the last one,
@@ -770,7 +417,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
     else:
         rounds.reuse(run, state)
     speculative = run.config.method != "autoregressive"
-    graphs_wanted, ahead = _use_graphs(run, device), _pipelined(run, device)
+    graphs_wanted, ahead = stages.use_graphs(run, device), _pipelined(run, device)
     run.stats.cuda_graphs = rounds.graphs is not None
     while run.reqs.running():
         if rounds.in_flight == 0:
@@ -801,7 +448,7 @@ def _decode(run: _Run, state: _State, device: torch.device, rounds: _Rounds | No
     return rounds
 
 
-def _capture_the_rest(run: _Run, rounds: _Rounds, prefills: PrefillGraphs | None) -> None:
+def _capture_the_rest(run: Run, rounds: _Rounds, prefills: PrefillGraphs | None) -> None:
     """After a Runner's call, each order of stages its rounds did not capture (_Rounds.the_rest, with
     the first draft of each prefill graph's width), run and captured; timed as a capture, in the call's
     capture time."""
@@ -862,7 +509,7 @@ class Runner:
         self.device = target.lm_head.weight.device
         self.sizes = self._sizes([prompt_len] * batch_size)
         checks.check_memory(self.device, self.sizes.needs)
-        self._state: _State | None = None
+        self._state: State | None = None
         self._rounds: _Rounds | None = None
         self._prefills: PrefillGraphs | None = None  # on CUDA with graphs, after the first call
 
@@ -881,11 +528,11 @@ class Runner:
                 f"prompts: a prompt of {longest} tokens, over this Runner's prompt_len={self.prompt_len}"
             )
 
-    def _prefill(self, run: _Run, prompts: list[list[int]], last: bool) -> _State:
+    def _prefill(self, run: Run, prompts: list[list[int]], last: bool) -> State:
         """The call's prefill on this Runner's state: with CUDA graphs and a later call to come, padded
         to its width (engine.prefill) and replayed from that width's graph (captured after its first
         prefill); otherwise eager, padded to the longest prompt."""
-        if last or not _use_graphs(run, self.device):
+        if last or not stages.use_graphs(run, self.device):
             return _prefill(run, prompts, self._state)
         if self._prefills is None:
             self._prefills = PrefillGraphs()
@@ -916,17 +563,17 @@ class Runner:
         if not reqs.running():
             return GenerationOutput(tokens=reqs.tokens, stats=stats)
         copies = _greedy_copies(self.config, prompts, sizes.limits)
-        run = _Run(target=self.target, drafter=self.drafter, config=self.config, budget=sizes.budget,
+        run = Run(target=self.target, drafter=self.drafter, config=self.config, budget=sizes.budget,
                    noise_seed=self.config.seed % 2**64, limit=limit, max_len=self.sizes.max_len, reqs=reqs,
                    stats=stats, timer=timer, copies=copies, rows_hint=self.sizes.rows)  # fmt: skip
-        _use_graphs(run, self.device)  # a ValueError now rather than after the prefill
+        stages.use_graphs(run, self.device)  # a ValueError now rather than after the prefill
         _check_row_invariant(run, self.device)
         t0 = timer.now()
         with torch.inference_mode():
             self._state = self._prefill(run, prompts, last)
             timer.collect()
             self._rounds = _decode(run, self._state, self.device, self._rounds)
-            if not last and _use_graphs(run, self.device):
+            if not last and stages.use_graphs(run, self.device):
                 _capture_the_rest(run, self._rounds, self._prefills)
         if self._rounds.policy is not None:
             stats.budget_report = self._rounds.policy.report()
