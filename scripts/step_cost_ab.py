@@ -81,6 +81,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=6)
     parser.add_argument("--profile", action="store_true", help="a kernel profile of one call each (CUDA)")
     args = parser.parse_args()
+    if min(args.batch, args.new_tokens, args.calls) < 1 or args.temperature < 0:
+        parser.exit(2, "step_cost_ab: --batch, --new-tokens and --calls must be >= 1, --temperature >= 0\n")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = load_model(KIMI_NANO, dtype=dtype, device=device)
