@@ -214,13 +214,13 @@ def test_nano_bench_rows_on_a_tiny_target(tmp_path):
 
 def test_every_run_of_the_bench_uses_the_seed_and_its_setting(monkeypatch):
     calls = []
-    timed = e2e.timed_run
+    timed = e2e.timed_runs
 
-    def recording(target, drafter, prompts, config):
-        calls.append((len(prompts), drafter is None, config))
-        return timed(target, drafter, prompts, config)
+    def recording(target, specs, prompts):
+        calls.extend((len(prompts), drafter is None, config) for drafter, config in specs)
+        return timed(target, specs, prompts)
 
-    monkeypatch.setattr(e2e, "timed_run", recording)
+    monkeypatch.setattr(e2e, "timed_runs", recording)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(4, [7, 4, 9], target.config.vocab_size)
     args = _args("--target", "nano", "--batch", "2", "--budgets", "3", "--new-tokens", "6", "--seed", "7",
@@ -229,23 +229,23 @@ def test_every_run_of_the_bench_uses_the_seed_and_its_setting(monkeypatch):
     assert len(calls) == 2 * 3 * 2  # temperatures x methods x batches of 2 (3 prompts: 2 calls)
     assert all(n == 2 and c.seed == 7 and c.max_new_tokens == 6 and c.stop_tokens == () for n, _, c in calls)
     assert [c.sampling.temperature for _, _, c in calls] == [0.0] * 6 + [0.7] * 6
-    assert [(c.method, no_drafter) for _, no_drafter, c in calls[:6]] == [
-        ("autoregressive", True), ("autoregressive", True), ("dflash", False), ("dflash", False),
-        ("ddtree", False), ("ddtree", False),
-    ]  # fmt: skip
+    # per batch of prompts, every method's Runner (their timed calls alternate)
+    methods = [("autoregressive", True), ("dflash", False), ("ddtree", False)]
+    assert [(c.method, no_drafter) for _, no_drafter, c in calls[:6]] == methods * 2
 
 
 def test_equal_to_ar_counts_the_requests_that_match(monkeypatch):
     """A greedy DDTree output that parts from autoregressive decoding in one request is counted out."""
-    timed = e2e.timed_run
+    timed = e2e.timed_runs
 
-    def diverging(target, drafter, prompts, config):
-        out = timed(target, drafter, prompts, config)
-        if config.method == "ddtree":
-            out.tokens[1] = out.tokens[1][:-1] + [(out.tokens[1][-1] + 1) % target.config.vocab_size]
-        return out
+    def diverging(target, specs, prompts):
+        outs = timed(target, specs, prompts)
+        for (_, config), out in zip(specs, outs):
+            if config.method == "ddtree":
+                out.tokens[1] = out.tokens[1][:-1] + [(out.tokens[1][-1] + 1) % target.config.vocab_size]
+        return outs
 
-    monkeypatch.setattr(e2e, "timed_run", diverging)
+    monkeypatch.setattr(e2e, "timed_runs", diverging)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(5, [6, 8, 5], target.config.vocab_size)
     args = _args(
@@ -264,15 +264,15 @@ def test_equal_alone_counts_the_requests_that_match_their_prompt_decoded_alone(m
     """Batch 3 runs prompts 0, 1, 2 then 0, 1, 2 (cycled); a batched output that parts from its prompt's
     batch-1 autoregressive tokens is counted out, in every method's row, although it may equal the
     batch's own autoregressive run."""
-    timed = e2e.timed_run
+    timed = e2e.timed_runs
 
-    def batched_differs(target, drafter, prompts, config):
-        out = timed(target, drafter, prompts, config)
-        if len(prompts) == 3:
+    def batched_differs(target, specs, prompts):
+        outs = timed(target, specs, prompts)
+        for out in outs if len(prompts) == 3 else ():
             out.tokens[1] = out.tokens[1][:-1] + [(out.tokens[1][-1] + 1) % target.config.vocab_size]
-        return out
+        return outs
 
-    monkeypatch.setattr(e2e, "timed_run", batched_differs)
+    monkeypatch.setattr(e2e, "timed_runs", batched_differs)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(5, [6, 8, 5], target.config.vocab_size)
     args = _args("--target", "nano", "--batch", "1", "3", "--budgets", "3", "--new-tokens", "5",
@@ -287,6 +287,20 @@ def test_equal_alone_counts_the_requests_that_match_their_prompt_decoded_alone(m
 
 
 # --- the small target and the command line --------------------------------------------------------------
+
+
+def test_small_targets_rows_follow_ar_with_the_stand_in_drafter():
+    """bench/e2e_small's rows of one temperature (run on the CPU with a tiny target: the module needs
+    CUDA only for its own scaled-down target): autoregressive decoding first, then DFlash, each budget
+    and auto, every greedy output equal to AR's (the stand-in drafter is handed AR's continuation)."""
+    target = tiny_target()
+    prompts = random_prompts(3, [6, 6], target.config.vocab_size)
+    args = argparse.Namespace(eager=False, new_tokens=6, impl=None, seed=0, budgets=[4, 8], auto=True)
+    rows = e2e_small.bench_temperature(target, prompts, 0.0, args, torch.device("cpu"))
+    assert [(r["method"], r["budget"]) for r in rows] == [
+        ("autoregressive", 0), ("dflash", 15), ("ddtree", 4), ("ddtree", 8), ("ddtree", "auto"),
+    ]  # fmt: skip
+    assert all(r["same_as_ar"] for r in rows[1:]) and all(r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_small_target_needs_cuda(monkeypatch):
@@ -338,7 +352,7 @@ def test_nano_missing_drafter_dir_is_named(tmp_path):
         e2e.main(_args("--target", "nano", "--device", "cpu", "--drafter", str(tmp_path / "none")))
 
 
-def test_timed_run_takes_tokens_per_second_untimed_and_stages_from_a_timed_call(monkeypatch):
+def test_timed_runs_take_tokens_per_second_untimed_and_stages_from_a_timed_call(monkeypatch):
     """Calls on one Runner: compile and capture, stage-timed, then TIMED_CALLS untimed; the returned
     call is the untimed one of median wall time, and carries the stage times of the stage-timed call,
     which ran the same rounds."""
@@ -357,10 +371,33 @@ def test_timed_run_takes_tokens_per_second_untimed_and_stages_from_a_timed_call(
     monkeypatch.setattr(Runner, "generate", spy)
     target, drafter = tiny_target(), tiny_drafter()
     prompts = random_prompts(6, [5, 7], target.config.vocab_size)
-    out = e2e.timed_run(target, drafter, prompts, GenerationConfig(max_new_tokens=6, budget=4))
+    (out,) = e2e.timed_runs(target, [(drafter, GenerationConfig(max_new_tokens=6, budget=4))], prompts)
     assert timing == [True, True, *[False] * 5] and e2e.TIMED_CALLS == 5
     assert out.stats.wall_time == 0.3  # the median
     assert out.stats.stage_times["verify"] > 0 and out.stats.stage_times["draft"] > 0
+
+
+def test_the_rows_timed_calls_alternate_after_every_runner_is_warmed(monkeypatch):
+    """Every Runner of a comparison is warmed (two calls) before any timed call, and the timed calls go
+    in turn (the first of each Runner, then the second of each), so that a drift of the device over the
+    run does not fall on the rows run last; each row gets its own Runner's median call."""
+    from kdtree_engine.engine import GenerationConfig, Runner
+
+    order, real = [], Runner.generate
+
+    def spy(self, prompts, *, stage_timing=True, **kw):
+        order.append((self.config.method, stage_timing))
+        return real(self, prompts, stage_timing=stage_timing, **kw)
+
+    monkeypatch.setattr(Runner, "generate", spy)
+    target, drafter = tiny_target(), tiny_drafter()
+    prompts = random_prompts(6, [5, 7], target.config.vocab_size)
+    specs = [(None, GenerationConfig(method="autoregressive", max_new_tokens=5)),
+             (drafter, GenerationConfig(method="ddtree", budget=4, max_new_tokens=5))]  # fmt: skip
+    outs = e2e.timed_runs(target, specs, prompts, calls=3)
+    warm = [("autoregressive", True), ("autoregressive", True), ("ddtree", True), ("ddtree", True)]
+    assert order[:4] == warm and order[4:] == [("autoregressive", False), ("ddtree", False)] * 3
+    assert [o.stats.method for o in outs] == ["autoregressive", "ddtree"]
 
 
 def _auto_calls():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,25 +95,56 @@ def batch_sizes(args, device: torch.device) -> list[int]:
 TIMED_CALLS = 5  # untimed calls per setting; the one of median wall time gives tokens/s
 
 
-def timed_run(target, drafter, prompts, config, calls: int = TIMED_CALLS):
-    """The generate() call of median wall time (less capture) among `calls` calls without stage timers
-    (GenerationOutput), on an engine.Runner of these prompts' shape after two calls of the same
-    prompts: one that compiles the kernels and captures the rounds, one that times each stage, whose
-    stage times are put on the result's stats. The timed calls replay the captured rounds from their
-    first round (its first draft eager), as a serving engine that captured its graphs at startup; the
-    prefill is in their time. Timing every stage records two events per stage and reads them back each
-    round, which slows the pipelined rounds (engine.loop), so tokens/s come from the untimed calls; the
-    median of several keeps one slow call (a prefill or host hiccup) from deciding a setting's figure
-    (docs/engine.md, "Benchmark")."""
+@dataclass
+class Warmed:
+    """An engine.Runner of these prompts' shape after the bench's two warm-up calls of the same prompts:
+    one that compiles the kernels and captures the rounds, one that times each stage (`staged`, whose
+    stage times go on the result's stats)."""
+
+    runner: object
+    prompts: list[list[int]]
+    staged: object  # the stage-timed call's GenerationOutput
+
+
+def warmed(target, drafter, prompts, config) -> Warmed:
+    """A Runner for `config` on these prompts, warmed (Warmed)."""
     from kdtree_engine.engine import Runner
 
     runner = Runner(target, drafter, config, batch_size=len(prompts), prompt_len=max(len(p) for p in prompts))
     runner.generate(prompts)
-    staged = runner.generate(prompts, stage_timing=True)
-    outs = [runner.generate(prompts, stage_timing=False) for _ in range(calls)]
-    out = sorted(outs, key=lambda o: o.stats.wall_time - o.stats.capture_time)[len(outs) // 2]
-    out.stats.stage_times = staged.stats.stage_times
-    return out
+    return Warmed(runner, prompts, runner.generate(prompts, stage_timing=True))
+
+
+def alternate(runs: list[Warmed], calls: int = TIMED_CALLS) -> list:
+    """Per warmed Runner, the generate() call of median wall time (less capture) among `calls` calls
+    without stage timers (GenerationOutput, with its warm-up's stage times), the Runners' calls taken in
+    turn (the first call of each, then the second of each, ...), so that every row of a comparison runs
+    under the same state of the device (clocks, temperature) and a drift over the run does not land on
+    the rows run last. The timed calls replay the captured rounds from their first round (its first draft
+    eager), as a serving engine that captured its graphs at startup; the prefill is in their time.
+    Timing every stage records two events per stage and reads them back each round, which slows the
+    pipelined rounds (engine.loop), so tokens/s come from the untimed calls; the median of several keeps
+    one slow call (a prefill or host hiccup) from deciding a setting's figure (docs/engine.md,
+    "Benchmark")."""
+    outs: list[list] = [[] for _ in runs]
+    for _ in range(calls):
+        for run, calls_of_run in zip(runs, outs):
+            calls_of_run.append(run.runner.generate(run.prompts, stage_timing=False))
+    medians = [_median_call(calls_of_run) for calls_of_run in outs]
+    for run, out in zip(runs, medians):
+        out.stats.stage_times = run.staged.stats.stage_times
+    return medians
+
+
+def _median_call(outs: list):
+    """The call of median wall time, capture excluded."""
+    return sorted(outs, key=lambda o: o.stats.wall_time - o.stats.capture_time)[len(outs) // 2]
+
+
+def timed_runs(target, specs: list[tuple[object, object]], prompts, calls: int = TIMED_CALLS) -> list:
+    """alternate() over one warmed Runner per (drafter, config) of `specs`, all on these prompts: the
+    rows of one comparison, timed in turn (GenerationOutput per spec, in order)."""
+    return alternate([warmed(target, drafter, prompts, config) for drafter, config in specs], calls)
 
 
 def summarize(outputs) -> dict:

@@ -56,13 +56,16 @@ def bench_setting(
     base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs, seed=args.seed,
                 sampling=SamplingParams(temperature=temperature),
                 row_invariant=getattr(args, "row_invariant", False))  # fmt: skip
+    configs = [
+        GenerationConfig(method=m, budget=b, **base)
+        for m, b in runs(args.budgets, getattr(args, "auto", False))
+    ]
+    specs = [(drafter if c.method != "autoregressive" else None, c) for c in configs]
+    per_group = [e2e.timed_runs(target, specs, g) for g in groups]  # each group's rows timed in turn
     rows, ar, ar_tokens = [], None, None
-    for method, budget in runs(args.budgets, getattr(args, "auto", False)):
-        config = GenerationConfig(method=method, budget=budget, **base)
-        speculative = method != "autoregressive"
-        r = e2e.summarize(
-            [e2e.timed_run(target, drafter if speculative else None, g, config) for g in groups]
-        )
+    for i, config in enumerate(configs):
+        method, speculative = config.method, config.method != "autoregressive"
+        r = e2e.summarize([outs[i] for outs in per_group])
         tokens = r.pop("tokens")
         if ar is None:  # the first run: autoregressive decoding, the baseline
             ar, ar_tokens = r, tokens

@@ -95,11 +95,6 @@ def random_target(config, device, dtype=torch.bfloat16, seed: int = 0, successor
     return model.to(dtype).eval()
 
 
-def _run(target, drafter, prompts, config) -> dict:
-    """One timed generate() call, after an identical one that compiles the kernels for its shapes."""
-    return e2e.summarize([e2e.timed_run(target, drafter, prompts, config)])
-
-
 def _add_costs(rows: list[dict], costs: list[dict]) -> None:
     """c(N) / c(1), tau c(1) / c(N), efficiency and the decode step against its roofline, per row; the
     speedup against the autoregressive row of the same temperature."""
@@ -129,13 +124,17 @@ def bench_temperature(target, prompts, temperature: float, args, device) -> list
     base = dict(max_new_tokens=args.new_tokens, impl=args.impl, cuda_graphs=graphs, seed=args.seed,
                 sampling=SamplingParams(temperature=temperature),
                 row_invariant=getattr(args, "row_invariant", False))  # fmt: skip
-    ar = _run(target, None, prompts, GenerationConfig(method="autoregressive", **base))
-    horizon = [list(p) + t for p, t in zip(prompts, ar["tokens"])]
+    ar_run = e2e.warmed(target, None, prompts, GenerationConfig(method="autoregressive", **base))
+    horizon = [list(p) + t for p, t in zip(prompts, ar_run.staged.tokens)]
     drafter = NoisyOracleDrafter(horizon, target.config.vocab_size, block_size=16, device=device)
-    rows = [{"method": "autoregressive", "budget": 0, "temperature": temperature, **ar}]
     auto = [("ddtree", "auto")] if getattr(args, "auto", False) else []
-    for method, budget in [("dflash", None)] + [("ddtree", b) for b in args.budgets] + auto:
-        r = _run(target, drafter, prompts, GenerationConfig(method=method, budget=budget, **base))
+    methods = [("dflash", None)] + [("ddtree", b) for b in args.budgets] + auto
+    runs = [
+        e2e.warmed(target, drafter, prompts, GenerationConfig(method=m, budget=b, **base)) for m, b in methods
+    ]
+    ar, *others = (e2e.summarize([out]) for out in e2e.alternate([ar_run, *runs]))  # every row timed in turn
+    rows = [{"method": "autoregressive", "budget": 0, "temperature": temperature, **ar}]
+    for (method, budget), r in zip(methods, others):
         r["same_as_ar"] = r["tokens"] == ar["tokens"]
         rows.append({"method": method, "budget": budget if budget is not None else 15,
                      "temperature": temperature, **r})  # fmt: skip
