@@ -180,3 +180,22 @@ def test_a_chain_whose_rounds_accept_what_its_s_predicts_is_no_candidate():
     untried = _policy_with_chain(0, chain_s=5.0)
     assert untried.calibration.own_ratio(3) is None
     assert untried._candidate_mask().all()
+
+
+def test_the_steady_rate_weighs_the_chain_at_its_lower_bound_as_the_choice_does():
+    """An untested chain's promise must not set the rate every round pays for its time: the choice sees
+    the chain at its lower bound, and so does the steady rate (lambda) and the steady choice that
+    decides whether a step explores. Before, the rate took the chain's estimate alone: each round's
+    best value was then a step (the tree's expected tokens fell short of the chain's rate times its
+    cost) while the chain itself was never picked, and calls stepped for tens of rounds where the
+    trees paid (budget module docstring)."""
+    few = _policy_with_chain(2)  # the chain's estimate above bucket 16's, known from 4 pairs only
+    ybar, _ = few.calibration.long_run()
+    _, costs, _ = few.costs.estimates()
+    chain, tree = few.buckets.index(15), few.buckets.index(16)
+    assert ybar[chain] > ybar[tree] and ybar[chain] - few.calibration.bonus()[chain] < ybar[tree]
+    assert few._steady_rate(2) == pytest.approx(2 * (1 + ybar[tree]) / costs[tree])
+    assert few._steady_choice(few._long_run_as_chosen(), costs) == tree
+    many = _policy_with_chain(60)  # known from 120 pairs: its lower bound above bucket 16's estimate
+    ybar, _ = many.calibration.long_run()
+    assert many._steady_rate(2) > 2 * (1 + ybar[tree]) / costs[tree]

@@ -85,7 +85,9 @@ not its count), while every tree is also told by each larger tree's round: its e
 pairs, and a choice that takes it whenever that estimate comes out above the trees' takes it on its
 errors (the winner's curse; docs/notes/engine.md). So in the per-round choice the chain's E counts
 EXPLORE_SDS standard errors below its estimate (Calibration.bonus), at least 1: it takes rounds from the
-trees once its own rounds have shown it better.
+trees once its own rounds have shown it better. The steady rate (lambda) and the steady choice weigh it
+the same way: an estimate the choice does not act on must not set the rate every round's time is
+charged at.
 
 The chain only where the drafter understates its top-1. The best-first tree of n nodes holds the n
 paths of highest draft probability, so its S is at least the chain's at n >= L nodes; where the
@@ -363,8 +365,7 @@ class BudgetPolicy:
         (a round whose own draft promises little). Ties go to the first bucket, the step."""
         if self._unmeasured(costs):
             return step
-        ybar, _ = self.calibration.long_run()
-        if self._steady_choice(ybar, costs) != step:
+        if self._steady_choice(self._long_run_as_chosen(), costs) != step:
             return step  # a tree is the steady choice: this round's step is the draft's call
         upper, _ = self.calibration.optimistic_long_run()
         return self._steady_choice(upper, costs)
@@ -417,9 +418,22 @@ class BudgetPolicy:
         _, costs, _ = self.costs.estimates()
         if requests == 0 or self._unmeasured(costs):
             return 0.0
-        ybar, _ = self.calibration.long_run_values()
+        ybar = self._long_run_as_chosen().tolist()
         rates = [(1.0 + y) * requests for y, ok in zip(ybar, self._candidates.tolist()) if ok]
         return steady_rate(rates, [c for c, ok in zip(costs, self._candidates.tolist()) if ok])
+
+    def _long_run_as_chosen(self) -> np.ndarray:
+        """The long-run accepted drafted tokens per bucket (Calibration.long_run) as the per-round
+        choice weighs them: the chain's at its lower bound (module docstring), so that an estimate the
+        choice does not act on cannot set the steady rate or the steady choice. Weighing the chain at
+        its point estimate there while the choice saw it at its lower bound made every round's best
+        value a step: an untested chain's promise raised the rate that each tree's round had to pay."""
+        ybar, _ = self.calibration.long_run()
+        if self._chain is None:
+            return ybar
+        ybar = ybar.copy()
+        ybar[self._chain] = max(0.0, ybar[self._chain] - self.calibration.bonus()[self._chain])
+        return ybar
 
     def _steps_end_soonest(self, rows: np.ndarray, remaining: Sequence[int], must_draft: bool) -> bool:
         """The static call's test (engine.budget_call.CallTest) for the running request rows, once the
