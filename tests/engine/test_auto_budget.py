@@ -6,6 +6,7 @@ policy's report reaches the stats."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
 from kdtree_engine.engine import stages as round_stages
@@ -245,7 +246,7 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch, pipelin
     first = runner.generate(prompts, stage_timing=False)
     assert set(first.stats.budgets) == {4}
     keys = set(runner._rounds.graphs.graphs)
-    assert {f"verify@{n}" for n in auto_buckets(7)} | {"verify@steps", "draft_wide"} <= keys
+    assert {f"verify@{n}" for n in auto_buckets(7)} | {"verify@steps", "accept@steps", "draft_wide"} <= keys
     assert _context_complete(runner)
     monkeypatch.setattr(BudgetPolicy, "pick", pick_sequence([8, 0, 0, 16, 32, 0, 64, 7, 4], stepping_from=10))
     second = runner.generate(prompts, stage_timing=False)
@@ -257,6 +258,15 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch, pipelin
     monkeypatch.setattr(loop, "_capture_the_rest", lambda run, rounds: captured.append(rounds))
     out = generate(target, drafter, prompts, config, stage_timing=False)
     assert out.tokens == first.tokens and captured == []
+
+    # the two steps' forwards put their logits in tensors of their own: a stage captured after the
+    # first (frozen) writes a shared output by a copy, a device copy of the logits in every step's graph
+    stages, written = runner._rounds.stages, []
+    monkeypatch.setattr(type(stages), "_put", lambda self, name, value: written.append(name))
+    with torch.inference_mode():  # as the engine runs its stages
+        stages.plain_step[0].fn()
+        stages.orders[0][0].fn()
+    assert written == ["step_logits", "logits"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

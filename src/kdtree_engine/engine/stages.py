@@ -207,8 +207,12 @@ class Stages:
                 decode = functools.partial(self.decode, into_context=True)
                 self.orders[0] = [Stage("verify", decode, True, "verify@0"),
                                   Stage("accept", self.accept_one, accept, "accept@0")]  # fmt: skip
-                # a call given to steps (BudgetPolicy.stepping): plain decoding's step, no features kept
-                self.plain_step = [Stage("verify", self.decode, True, "verify@steps"), self.orders[0][1]]
+                # a call given to steps (BudgetPolicy.stepping): plain decoding's step, no features kept,
+                # its logits its own (a stage captured after the first writes a shared output by a copy)
+                plain = functools.partial(self.decode, into="step_logits")
+                plain_accept = functools.partial(self.accept_one, logits="step_logits")
+                self.plain_step = [Stage("verify", plain, True, "verify@steps"),
+                                   Stage("accept", plain_accept, accept, "accept@steps")]  # fmt: skip
                 continue
             verify, accept_n = functools.partial(self.verify, n), functools.partial(self.accept, n)
             build, compile_n = functools.partial(self.tree_build, n), functools.partial(self.compile, n)
@@ -347,24 +351,26 @@ class Stages:
         tail = [self.step_tail] if self.run.config.auto_budget else []
         self.s.put("committed", torch.cat([count[:, None], token, *tail], dim=1))
 
-    def decode(self, into_context: bool = False) -> None:
-        """One decode forward of the bonus tokens. into_context (the auto budget's autoregressive step):
-        it also captures the drafter's target layers and appends the token's features to the drafter's
-        context (the next draft reads every row committed since the last one)."""
+    def decode(self, into_context: bool = False, into: str = "logits") -> None:
+        """One decode forward of the bonus tokens, its logits put in the attribute `into` (accept_one's).
+        into_context (the auto budget's autoregressive step): it also captures the drafter's target
+        layers and appends the token's features to the drafter's context (the next draft reads every
+        row committed since the last one)."""
         run, s = self.run, self.s
         lengths = s.active.long()  # a done request rewrites its row and keeps its length
         capture = run.capture if into_context else ()
         out = run.target(s.bonus[:, None], s.cache, lengths=lengths, capture_layers=capture, impl=run.impl,
                          validate=False, row_invariant=run.config.row_invariant)  # fmt: skip
-        self._put("logits", out.logits)  # one tensor for both steps: accept@0's graph reads it
+        self._put(into, out.logits)
         if into_context:
             at = s.ctx_lens.clamp(max=s.ctx.shape[1] - 1)[:, None, None].expand(-1, 1, s.ctx.shape[-1])
             s.ctx.scatter_(1, at, out.hidden)
             s.ctx_lens.add_(lengths)
 
-    def accept_one(self) -> None:
+    def accept_one(self, logits: str = "logits") -> None:
+        """The target's token after a decode forward (its logits in the attribute `logits`), committed."""
         s = self.s
-        logits = self.logits[:, :1]
+        logits = getattr(self, logits)[:, :1]
         token = self._choose(root_tree(logits.shape[0], logits.device), logits).bonus
         n = s.active.long()
         self._commit_step(n, token[:, None])
