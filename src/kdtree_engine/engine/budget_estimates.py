@@ -56,6 +56,7 @@ class Calibration:
         self._long_run: tuple[Pair, tuple[list[float], list[float]]] | None = None
         self._levels: tuple[np.ndarray, list[float], np.ndarray | None] | None = None
         self._nearest: tuple[list[bool], list[int]] | None = None  # (buckets tried, the one each borrows)
+        self._bonus: tuple[object, np.ndarray] | None = None  # (the long run it was computed from, bonus())
         self._sizes = np.asarray(self.buckets, dtype=np.float64)
 
     def own_ratio(self, j: int) -> float | None:
@@ -198,10 +199,14 @@ class Calibration:
     def bonus(self) -> np.ndarray:
         """Per bucket, EXPLORE_SDS standard errors of its long-run accepted drafted tokens: the root of
         its variance (long_run) over its pairs and PRIOR_PAIRS; 0 for bucket 0 (a step commits one
-        token, known)."""
-        _, variance = self.long_run()
-        bonus = EXPLORE_SDS * np.sqrt(variance / (self.n + PRIOR_PAIRS))
-        return np.where(self._sizes == 0, 0.0, bonus)
+        token, known). Kept with the long run it comes from (both change only with an observation);
+        read-only."""
+        pair = self._long_run_pair()
+        if self._bonus is None or self._bonus[0] is not pair:
+            _, variance = pair[0]
+            bonus = EXPLORE_SDS * np.sqrt(variance / (self.n + PRIOR_PAIRS))
+            self._bonus = pair, np.where(self._sizes == 0, 0.0, bonus)
+        return self._bonus[1]
 
     def optimistic_long_run(self) -> tuple[np.ndarray, np.ndarray]:
         """long_run() with each tree bucket's accepted tokens raised by bonus(): what the trees may
