@@ -22,7 +22,9 @@ from collections import Counter
 import torch
 
 from kdtree_engine.assets import KIMI_NANO
+from kdtree_engine.bench import e2e
 from kdtree_engine.bench.e2e_nano import drafter_path, nano_drafter, nano_prompts, prompt_batches
+from kdtree_engine.bench.timing import kernel_profile
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams
 from kdtree_engine.engine.tokenizer import load_tokenizer
 from kdtree_engine.model import load_model
@@ -45,11 +47,7 @@ def call_figures(stats) -> dict[str, float]:
 
 def kernel_times(runner: Runner, group: list[list[int]]) -> dict[str, tuple[int, float]]:
     """{kernel name: (launches, device us)} of one untimed call under torch.profiler (CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.generate(group, stage_timing=False)
-        torch.cuda.synchronize()
+    prof = kernel_profile(lambda: runner.generate(group, stage_timing=False))
     out = {}
     for event in prof.key_averages():
         device_us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
@@ -89,24 +87,16 @@ def main() -> None:
     drafter, _ = nano_drafter(drafter_path(None), target, load_tokenizer(KIMI_NANO).token_id("<|mask|>"))
     group = prompt_batches(nano_prompts(8), args.batch)[0]
     sampling = SamplingParams(temperature=args.temperature)
-    runners = {}
+    runs = {}  # warmed as bench e2e warms its rows (a call that captures, a stage-timed call)
     for name, method, budget in (("ar", "autoregressive", None), ("auto", "ddtree", "auto")):
         config = GenerationConfig(method=method, budget=budget, seed=0, max_new_tokens=args.new_tokens,
                                   sampling=sampling)  # fmt: skip
-        runner = Runner(target, drafter, config, batch_size=args.batch, prompt_len=max(map(len, group)))
-        runner.generate(group)
-        runner.generate(group, stage_timing=True)
-        runners[name] = runner
-    figures: dict[str, list[dict]] = {name: [] for name in runners}
-    reasons: Counter = Counter()
-    for _ in range(args.calls):
-        for name, runner in runners.items():
-            stats = runner.generate(group, stage_timing=False).stats
-            figures[name].append(call_figures(stats))
-            if name == "auto":
-                reasons.update(
-                    f"{k}:{why}" for k, (why, _) in zip(stats.budgets, stats.budget_picks, strict=False)
-                )
+        runs[name] = e2e.warmed(target, drafter if method != "autoregressive" else None, group, config)
+    outs = dict(zip(runs, e2e.alternate_calls(list(runs.values()), args.calls)))
+    figures = {name: [call_figures(out.stats) for out in calls] for name, calls in outs.items()}
+    reasons = Counter(
+        f"{k}:{why}" for out in outs["auto"] for k, (why, _) in zip(out.stats.budgets, out.stats.budget_picks)
+    )
     print(
         f"batch {args.batch}, temperature {args.temperature}, {args.calls} calls each, alternating; {device}"
     )
@@ -118,9 +108,8 @@ def main() -> None:
     print(f"  auto's rounds by bucket and reason: {dict(reasons)}")
     if args.profile and device.type == "cuda":
         print("kernels of one call each (torch.profiler, CUDA graphs replayed):")
-        print(
-            "\n".join(kernel_diff(kernel_times(runners["ar"], group), kernel_times(runners["auto"], group)))
-        )
+        ar, auto = (kernel_times(runs[name].runner, group) for name in ("ar", "auto"))
+        print("\n".join(kernel_diff(ar, auto)))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,12 @@ def assert_cli_errors(name: str, bad_option: list[str], option: str) -> None:
     for argv, want in ((bad_option, option), ([], "needs a CUDA GPU")):
         if not argv and torch.cuda.is_available():
             continue
-        run = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *argv], capture_output=True,
-                             text=True, timeout=99)  # fmt: skip
-        lines = run.stderr.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1 and want in lines[0], run.stderr
+        assert_one_line_error(name, argv, want)
+
+
+def assert_one_line_error(name: str, argv: list[str], want: str) -> None:
+    """scripts/<name>.py with `argv`: one line on stderr containing `want`, and exit code 2."""
+    run = subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *argv], capture_output=True,
+                         text=True, timeout=99)  # fmt: skip
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and want in lines[0], run.stderr

@@ -4,11 +4,9 @@ largest difference first and counts a kernel one side lacks as zero; bad argumen
 stderr with exit code 2."""
 
 import math
-import subprocess
-import sys
 from types import SimpleNamespace
 
-from tests.bench.scripts import SCRIPTS, load_script
+from tests.bench.scripts import assert_one_line_error, load_script
 
 
 def _stats(budgets, seconds, wall=1.0, capture=0.25):
@@ -39,7 +37,4 @@ def test_the_kernel_table_puts_the_largest_difference_first():
 
 def test_bad_arguments_are_one_line_and_exit_2():
     for argv, option in ((["--batch", "0"], "--batch"), (["--temperature", "-1"], "--temperature")):
-        run = subprocess.run([sys.executable, str(SCRIPTS / "step_cost_ab.py"), *argv], capture_output=True,
-                             text=True, timeout=99)  # fmt: skip
-        lines = run.stderr.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1 and option in lines[0], run.stderr
+        assert_one_line_error("step_cost_ab", argv, option)

@@ -126,14 +126,20 @@ def alternate(runs: list[Warmed], calls: int = TIMED_CALLS) -> list:
     pipelined rounds (engine.loop), so tokens/s come from the untimed calls; the median of several keeps
     one slow call (a prefill or host hiccup) from deciding a setting's figure (docs/engine.md,
     "Benchmark")."""
+    medians = [_median_call(calls_of_run) for calls_of_run in alternate_calls(runs, calls)]
+    for run, out in zip(runs, medians):
+        out.stats.stage_times = run.staged.stats.stage_times
+    return medians
+
+
+def alternate_calls(runs: list[Warmed], calls: int) -> list[list]:
+    """Per warmed Runner, its `calls` calls without stage timers (GenerationOutput), taken in turn: the
+    first call of each Runner, then the second of each, and so on."""
     outs: list[list] = [[] for _ in runs]
     for _ in range(calls):
         for run, calls_of_run in zip(runs, outs):
             calls_of_run.append(run.runner.generate(run.prompts, stage_timing=False))
-    medians = [_median_call(calls_of_run) for calls_of_run in outs]
-    for run, out in zip(runs, medians):
-        out.stats.stage_times = run.staged.stats.stage_times
-    return medians
+    return outs
 
 
 def _median_call(outs: list):
