@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdtree_engine.engine import checks, stages
+from kdtree_engine.engine import checks
+from kdtree_engine.engine import stages as round_stages  # its use_graphs by attribute: tests stand it in
 from kdtree_engine.engine.budget import STEP_ROUNDS, BudgetPolicy
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
@@ -251,7 +252,7 @@ class _Rounds:
         self.flight: list[_InFlight] = []
         self.last_read: float | None = None  # the host clock at the last round read
         self.steps = 0  # autoregressive steps enqueued since the last draft (auto budget)
-        self.eager = not stages.use_graphs(run, state.start.device)  # rounds never captured
+        self.eager = not round_stages.use_graphs(run, state.start.device)  # rounds never captured
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
         depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
@@ -417,7 +418,7 @@ def _decode(run: Run, state: State, device: torch.device, rounds: _Rounds | None
     else:
         rounds.reuse(run, state)
     speculative = run.config.method != "autoregressive"
-    graphs_wanted, ahead = stages.use_graphs(run, device), _pipelined(run, device)
+    graphs_wanted, ahead = round_stages.use_graphs(run, device), _pipelined(run, device)
     run.stats.cuda_graphs = rounds.graphs is not None
     while run.reqs.running():
         if rounds.in_flight == 0:
@@ -532,7 +533,7 @@ class Runner:
         """The call's prefill on this Runner's state: with CUDA graphs and a later call to come, padded
         to its width (engine.prefill) and replayed from that width's graph (captured after its first
         prefill); otherwise eager, padded to the longest prompt."""
-        if last or not stages.use_graphs(run, self.device):
+        if last or not round_stages.use_graphs(run, self.device):
             return _prefill(run, prompts, self._state)
         if self._prefills is None:
             self._prefills = PrefillGraphs()
@@ -566,14 +567,14 @@ class Runner:
         run = Run(target=self.target, drafter=self.drafter, config=self.config, budget=sizes.budget,
                    noise_seed=self.config.seed % 2**64, limit=limit, max_len=self.sizes.max_len, reqs=reqs,
                    stats=stats, timer=timer, copies=copies, rows_hint=self.sizes.rows)  # fmt: skip
-        stages.use_graphs(run, self.device)  # a ValueError now rather than after the prefill
+        round_stages.use_graphs(run, self.device)  # a ValueError now rather than after the prefill
         _check_row_invariant(run, self.device)
         t0 = timer.now()
         with torch.inference_mode():
             self._state = self._prefill(run, prompts, last)
             timer.collect()
             self._rounds = _decode(run, self._state, self.device, self._rounds)
-            if not last and stages.use_graphs(run, self.device):
+            if not last and round_stages.use_graphs(run, self.device):
                 _capture_the_rest(run, self._rounds, self._prefills)
         if self._rounds.policy is not None:
             stats.budget_report = self._rounds.policy.report()
