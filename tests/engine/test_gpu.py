@@ -151,6 +151,23 @@ def test_stream_keys_draw_the_same_tokens_as_seed_and_offset():
         assert torch.equal(got, want)
 
 
+def test_a_runners_captured_draws_follow_its_seed_across_calls():
+    """The captured sampled accept reads its draw's keys from a table on the device, built once per
+    seed: a Runner's later calls, on the same seed and then on another, draw what a fresh call with
+    that seed draws."""
+    from kdtree_engine.engine import Runner
+
+    target, drafter = _models(torch.float32, seed=4)
+    prompts = random_prompts(4, [4, 7], target.config.vocab_size)
+    config = GenerationConfig(max_new_tokens=24, budget=6, seed=5, sampling=SamplingParams(temperature=1.0))
+    runner = Runner(target, drafter, config, batch_size=2, prompt_len=7)
+    first = runner.generate(prompts).tokens
+    assert runner.generate(prompts).tokens == first == generate(target, drafter, prompts, config).tokens
+    runner.config = other = replace(config, seed=6)
+    drawn = runner.generate(prompts).tokens
+    assert drawn == generate(target, drafter, prompts, other).tokens and drawn != first
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_runner_replays_later_calls_from_their_first_round_cuda(temperature):
     """A Runner's later calls replay the captured rounds (no capture, the first draft eager) and give a

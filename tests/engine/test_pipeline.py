@@ -9,6 +9,7 @@ import pytest
 
 from kdtree_engine.engine import GenerationConfig, SamplingParams, generate, loop
 from kdtree_engine.engine import stages as round_stages
+from kdtree_engine.engine.budget import BudgetPolicy
 from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import HostPrefillGraphs, OracleDrafter, random_prompts, tiny_drafter, tiny_target
 
@@ -186,3 +187,45 @@ def test_the_round_in_flights_bucket_sets_how_near_the_end_it_is_read_first():
     assert not loop._may_be_last(
         SimpleNamespace(drafter=None, reqs=Requests([5], frozenset(), None)), in_flight(0)
     )
+
+
+def test_the_auto_budgets_picks_overlap_a_round_in_flight(monkeypatch):
+    """Pipelined, every pick of the auto budget's policy after a call's first is made while a round is
+    in flight, those of the last rounds too (read first, their next bucket picked before the read):
+    the choice's host work stays off the path between two rounds. The picks match the rounds read, in
+    order (the one held when the call ends is dropped), and the tokens stay greedy."""
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: True)
+    monkeypatch.setattr(round_stages, "use_graphs", lambda run, device: True)
+    monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
+    monkeypatch.setattr(loop, "_Graphs", _HostGraphs)
+    in_flight_at_pick, picked, read = [], [], []
+    pick, observe = BudgetPolicy.pick, BudgetPolicy.observe
+    flights = []
+
+    def picking(self, *args, **kwargs):
+        in_flight_at_pick.append(len(flights[-1].flight) if flights else 0)
+        picked.append(pick(self, *args, **kwargs))
+        return picked[-1]
+
+    def observing(self, bucket, *args, **kwargs):
+        read.append(bucket)
+        return observe(self, bucket, *args, **kwargs)
+
+    init = loop._Rounds.__init__
+    monkeypatch.setattr(loop._Rounds, "__init__", lambda self, *a: init(self, *a) or flights.append(self))
+    monkeypatch.setattr(BudgetPolicy, "pick", picking)
+    monkeypatch.setattr(BudgetPolicy, "observe", observing)
+    target = tiny_target(2)
+    prompts = random_prompts(3, [5, 8], target.config.vocab_size)
+    drafter = OracleDrafter(target, prompts, 80, block_size=6, rank=lambda pos: 0 if pos % 3 else 9, top=2)
+    runner = loop.Runner(target, drafter, GenerationConfig(max_new_tokens=40, budget="auto"), batch_size=2,
+                         prompt_len=8)  # fmt: skip
+    runner.generate(prompts)  # the first call captures its rounds after reading them
+    for _ in range(2):
+        in_flight_at_pick.clear(), picked.clear(), read.clear()
+        out = runner.generate(prompts, stage_timing=False)
+        assert out.tokens == greedy_generate(target, prompts, 40)
+        assert sum(k > 0 for k in read) > 2  # trees: the last rounds are read first
+        assert in_flight_at_pick[0] == 0 and min(in_flight_at_pick[1:]) >= 1
+        assert picked[: len(read)] == read and len(picked) - len(read) <= 1 + out.stats.discarded_rounds
+

@@ -107,6 +107,19 @@ def test_same_seed_and_offset_repeat_and_a_new_offset_changes():
     assert (draw[0] != draw[2]).float().mean() > 0.5 and (draw[0] != draw[3]).float().mean() > 0.5
 
 
+@pytest.mark.parametrize("seed", [0, 9, 2**32 - 1, 2**32, 2**63 + 17, 2**64 - 1])
+def test_the_key_table_holds_each_offsets_stream_keys(seed):
+    """stream_key_table (every offset at once, on int64 tensors) = stream_keys offset by offset, bit-cast
+    to int32: both halves of the seed, the sign bit of each key, and an empty table."""
+    table = sampling.stream_key_table(seed, 37)
+    assert table.dtype == torch.int32 and table.shape == (37, 2)
+    for offset in range(37):
+        want = [k - (1 << 32) if k >= 1 << 31 else k for k in sampling.stream_keys(seed, offset)]
+        assert table[offset].tolist() == want
+    assert (table < 0).any() and (table > 0).any()
+    assert sampling.stream_key_table(seed, 0).shape == (0, 2)
+
+
 def test_integer_gumbel_is_accurate_and_bounded():
     top = 2**32 - 1
     edges = [0, 1, 2, 2**31 - 1, 2**31, top - 2**24 - 1, top - 2**24, top - 2**24 + 1, top - 1, top]

@@ -23,7 +23,9 @@ round commits to it; the device learns of it in stream order). Near the end the 
 ahead: once the round in flight may end every running request (each within the most tokens that round
 commits: the drafter's block for a tree or chain, one for a step), it reads that round before it
 enqueues another, since a round enqueued past the end would be a whole round of device time
-discarded, where waiting costs the host's read and launch. A round enqueued ahead is still discarded
+discarded, where waiting costs the host's read and launch. It still picks the next round's bucket
+before that read (the auto budget's choice is host work of its own), on the figures a pipelined pick
+has: the round in flight not read yet. A round enqueued ahead is still discarded
 when a stop token or string ends the last requests early (`GenerationStats.discarded_rounds`).
 
 The host hands each request its committed tokens and finishes a request at its token limit, after a
@@ -252,6 +254,7 @@ class _Rounds:
         self.flight: list[_InFlight] = []
         self.last_read: float | None = None  # the host clock at the last round read
         self.steps = 0  # autoregressive steps enqueued since the last draft (auto budget)
+        self.held: int | None = None  # a bucket picked ahead of its enqueue (hold)
         self.eager = not round_stages.use_graphs(run, state.start.device)  # rounds never captured
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
         depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
@@ -269,13 +272,26 @@ class _Rounds:
         if state is not self.state:
             raise RuntimeError("_Rounds.reuse: a call of another state")
         self.run = run
-        self.last_read, self.steps = None, 0
+        self.last_read, self.steps, self.held = None, 0, None
         self.stages.reuse(run)
         if self.policy is not None:
             self.policy.new_call(run.copies, run.timer.enabled)
 
     def pick(self) -> int:
-        """The next round's bucket (the one bucket of a fixed budget)."""
+        """The next round's bucket (the one bucket of a fixed budget): the one held, if any."""
+        if self.held is not None:
+            bucket, self.held = self.held, None
+            return bucket
+        return self._pick()
+
+    def hold(self) -> None:
+        """Picks the next round's bucket now, to be enqueued later (pick() returns it), unless one is
+        held already: the policy's host work then overlaps the round in flight (_decode). A bucket held
+        at a call's end is dropped (reuse); the policy forgets its choice with the call (new_call)."""
+        if self.held is None:
+            self.held = self._pick()
+
+    def _pick(self) -> int:
         if self.policy is None:
             return self.stages.buckets[0]
         reqs = self.run.reqs
@@ -425,8 +441,11 @@ def _decode(run: Run, state: State, device: torch.device, rounds: _Rounds | None
             if ahead:  # a round read first (or a call's first): its read interval holds the host's work,
                 rounds.last_read = None  # not what the round costs when pipelined (auto's cost table)
             rounds.enqueue(rounds.pick())
-        if ahead and (rounds.graphs is not None or not graphs_wanted) and not _may_be_last(run, rounds):
-            rounds.enqueue(rounds.pick())
+        if ahead and (rounds.graphs is not None or not graphs_wanted):
+            if not _may_be_last(run, rounds):
+                rounds.enqueue(rounds.pick())
+            else:  # the next bucket picked while the device runs the round in flight, enqueued after
+                rounds.hold()  # its read if that round was not the last
         bucket, orders = rounds.flight[0].bucket, [rounds.flight[0].order]
         tokens, counts = rounds.read()  # waits for the oldest round in flight
         run.stats.rounds += 1

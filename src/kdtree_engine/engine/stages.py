@@ -168,7 +168,7 @@ class Stages:
 
     def __init__(self, run: Run, state: State) -> None:
         self.run, self.s = run, state
-        self.keys = self.draw = None
+        self.keys = self.draw = self.keys_seed = None
         # per bucket: its tree, its verify inputs (ids, positions, visibility), its report's codes (auto)
         self.trees: dict[int, DraftTree] = {}
         self.inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -181,6 +181,7 @@ class Stages:
             # Sampled draws keyed on the device, so that accept can be captured: one row per draw.
             table = stream_key_table(run.noise_seed, run.max_len + 3)  # draws <= rounds + 2 <= max_len + 3
             self.keys = table.to(device)
+            self.keys_seed = run.noise_seed  # the seed the table holds (reuse)
             self.draw = torch.tensor([run.draws], device=device)
         accept = run.config.sampling.greedy or self.keys is not None  # capturable
         drafter = self.drafter_capturable = bool(getattr(run.drafter, "capturable", False))
@@ -278,10 +279,13 @@ class Stages:
 
     def reuse(self, run: Run) -> None:
         """Binds the stages to the next call's run (a Runner's later call): its sampled draws start at
-        run.draws, keyed by its seed, in the key table the captured accept reads."""
+        run.draws, keyed by its seed, in the key table the captured accept reads (rebuilt only for a
+        seed other than the last call's)."""
         self.run = run
         if self.keys is not None:
-            self.keys.copy_(stream_key_table(run.noise_seed, self.keys.shape[0]).to(self.keys.device))
+            if run.noise_seed != self.keys_seed:
+                self.keys.copy_(stream_key_table(run.noise_seed, self.keys.shape[0]).to(self.keys.device))
+                self.keys_seed = run.noise_seed
             self.draw.fill_(run.draws)
 
     def tree_build(self, n: int) -> None:

@@ -201,8 +201,15 @@ class Seeded:
 
 def stream_key_table(seed: int, offsets: int) -> torch.Tensor:
     """[offsets, 2] int32: stream_keys(seed, o) for o in 0..offsets-1, bit-cast to signed int32, for a
-    caller that picks the offset of each draw on the device (a CUDA graph replayed once per draw)."""
-    table = torch.tensor([stream_keys(seed, o) for o in range(offsets)], dtype=torch.int64)
+    caller that picks the offset of each draw on the device (a CUDA graph replayed once per draw).
+    Every offset at once (stream_keys' chain over int64 tensors): an engine call builds one table."""
+    check_seed_range(seed, max(offsets - 1, 0))
+    offset = torch.arange(offsets, dtype=torch.int64)
+    keys = []
+    for k in STREAM_INITS:
+        k = mix32(mix32(k ^ (seed & MASK32)) ^ (seed >> 32))  # the seed's words: plain ints
+        keys.append(mix32(mix32(k ^ (offset & MASK32)) ^ (offset >> 32)))
+    table = torch.stack(keys, dim=1)
     return torch.where(table >= 1 << 31, table - (1 << 32), table).to(torch.int32)
 
 
