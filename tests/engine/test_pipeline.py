@@ -228,4 +228,3 @@ def test_the_auto_budgets_picks_overlap_a_round_in_flight(monkeypatch):
         assert sum(k > 0 for k in read) > 2  # trees: the last rounds are read first
         assert in_flight_at_pick[0] == 0 and min(in_flight_at_pick[1:]) >= 1
         assert picked[: len(read)] == read and len(picked) - len(read) <= 1 + out.stats.discarded_rounds
-
