@@ -149,6 +149,32 @@ def test_stage_timed_calls_price_their_rounds_apart():
     assert policy.costs.estimate(16) == 1.5
 
 
+def test_an_unmeasured_tree_is_priced_between_its_measured_neighbours():
+    """A bucket not measured in this timing mode, between two trees that are, is priced on the line
+    between their medians, not at the other mode's price: stage-timed rounds are noisy, and a bucket
+    priced dear there was never picked, so never measured here (bucket 32 at 1.4 against 64 at 0.93
+    stage-timed, while untimed 16 costs 0.56 and 64 0.70). Outside measured neighbours the other
+    mode's shifted price holds, kept on the right side of the nearest measured tree."""
+    policy = BudgetPolicy(AUTO_BUCKETS, depth=48)
+    policy.new_call(stage_timed=True)
+    for k, t in ((0, 0.5), (8, 1.0), (16, 1.14), (32, 1.4), (64, 0.93)):
+        for _ in range(MIN_COST_ROUNDS):
+            policy.observe(k, t, [0], [1], None)
+    policy.new_call(stage_timed=False)
+    for k, t in ((16, 0.56), (64, 0.70)):
+        for _ in range(MIN_COST_ROUNDS):
+            policy.observe(k, t, [0], [1], None)
+    assert policy.costs.estimate(32) == pytest.approx(0.56 + 0.14 * 16 / 48)
+    # bucket 8, below the lowest measured tree: the stage-timed 1.0 shifted by the median difference
+    # (-0.405) is 0.595, kept under bucket 16's 0.56
+    shift = float(np.median([0.56 - 1.14, 0.70 - 0.93]))
+    assert policy.costs.estimate(8) == pytest.approx(min(1.0 + shift, 0.56))
+    assert policy.costs.estimate(0) == pytest.approx(0.5 + shift)  # the step: no line through trees
+    for _ in range(MIN_COST_ROUNDS):
+        policy.observe(32, 0.66, [0], [1], None)
+    assert policy.costs.estimate(32) == 0.66  # its own median, once measured
+
+
 def test_choice_maximizes_tokens_per_second():
     buckets = (0, 8, 32)
     cal = Calibration(buckets)

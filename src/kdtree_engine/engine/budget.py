@@ -270,6 +270,8 @@ class BudgetPolicy:
             table.fallback = other
             table.forget_estimates()
         self.copies = None if copies is None else np.asarray(copies, dtype=np.int64)
+        if self.copies is not None and (self.copies == np.arange(self.copies.size)).all():
+            self.copies = None  # every request its own first row: none repeats another
         self.sums = np.zeros((0, len(self.buckets)))
         self.age = np.zeros(0)
         self.paces.new_call()
@@ -384,7 +386,7 @@ class BudgetPolicy:
     def _distinct(self, rows: np.ndarray) -> np.ndarray:
         """The request rows with each group of greedy copies (new_call's copies) counted once, by its
         first row, in order."""
-        if self.copies is None:
+        if self.copies is None or rows.size <= 1:
             return rows
         _, first = np.unique(self.copies[rows], return_index=True)
         return rows[np.sort(first)]

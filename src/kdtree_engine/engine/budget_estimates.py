@@ -104,9 +104,9 @@ class Calibration:
         stood before the round."""
         a, b = coefficients
         miss = accepted + 1.0 - np.maximum(1.0, a[columns] + b[columns] * seen)
-        terms = np.stack([np.ones_like(seen), seen, accepted, seen * seen, seen * accepted, miss * miss,
-                          accepted, predicted])  # fmt: skip
-        self.sums[:, columns] += terms.sum(axis=1)
+        terms = np.stack([seen, accepted, seen * seen, seen * accepted, miss * miss, predicted]).sum(axis=1)
+        pairs = np.full(columns.size, float(seen.shape[0]))  # a row of ones summed: the request count
+        self.sums[:, columns] += np.stack([pairs, *terms[:5], terms[1], terms[5]])
         self._coefficients = self._long_run = None
 
     def ratio(self, j: int) -> float:
@@ -286,18 +286,36 @@ class CostTable:
         return self._own[bucket]
 
     def estimate(self, bucket: int) -> float:
-        """The bucket's median; for one measured fewer than MIN_COST_ROUNDS times, the fallback's price
-        shifted by the median difference between the two tables over the buckets both have measured
-        (none: unshifted; a stage-timed round costs about a fixed host sync more than an untimed one),
-        or else 0 (so that every bucket gets tried: an autoregressive step costs far less than any
-        tree, which no neighbour tells)."""
+        """The bucket's median; for a tree bucket measured fewer than MIN_COST_ROUNDS times between two
+        measured trees, the line between their medians (in nodes: a round's cost grows with its tree);
+        otherwise the fallback's price shifted by the median difference between the two tables over
+        the buckets both have measured (none: unshifted; a stage-timed round costs about a fixed host
+        sync more than an untimed one), kept between its measured neighbours' medians, or else 0 (so
+        that every bucket gets tried: an autoregressive step costs far less than any tree, which no
+        neighbour tells). The fallback's prices are the other timing mode's, whose stage syncs make
+        them noisy: taken as they are, one bucket's could keep it from ever being picked, and so from
+        being measured here."""
         if bucket not in self._estimates:
             price = self.own(bucket)
+            lower, upper = self._neighbours(bucket) if price <= 0 and bucket > 0 else (None, None)
+            if lower is not None and upper is not None:
+                (k0, c0), (k1, c1) = lower, upper
+                price = c0 + (c1 - c0) * (bucket - k0) / (k1 - k0)
             other = self.fallback.own(bucket) if self.fallback is not None and price <= 0 else 0.0
             if other > 0:
                 price = max(other + self._shift(), 0.1 * other)
+                price = max(price, lower[1]) if lower is not None else price
+                price = min(price, upper[1]) if upper is not None else price
             self._estimates[bucket] = price
         return self._estimates[bucket]
+
+    def _neighbours(self, bucket: int) -> tuple[tuple[int, float] | None, tuple[int, float] | None]:
+        """The nearest tree buckets below and above `bucket` measured here, as (bucket, median), or
+        None where there is none."""
+        measured = [(k, self.own(k)) for k in self.buckets if k > 0 and self.own(k) > 0]
+        lower = [kc for kc in measured if kc[0] < bucket]
+        upper = [kc for kc in measured if kc[0] > bucket]
+        return (lower[-1] if lower else None), (upper[0] if upper else None)
 
     def _shift(self) -> float:
         """The median of (own - fallback) over the buckets both have measured; 0 for none."""
