@@ -252,8 +252,10 @@ def _why_read(policy: BudgetPolicy, bucket: int, batch: int) -> str:
     """The reason the round just picked carries to its read (BudgetPolicy.last_pick), read as a round
     of `batch` requests that committed one token each."""
     policy.observe(bucket, None, list(range(batch)), [1] * batch, None)
-    why, expected = policy.last_pick
+    why, expected = policy.last_pick.why, policy.last_pick.batch_expected
     assert (expected is None) == (why == "stepping")
+    ruled = why in ("rule", "untried", "explore")  # the per-round rule weighed the costs at a rate
+    assert (policy.last_pick.rate is not None) == ruled == (policy.last_pick.costs is not None)
     return why
 
 

@@ -194,20 +194,26 @@ def summarize(outputs) -> dict:
 
 
 def _round_log(stats) -> list[list] | None:
-    """Budget "auto": each timed call's rounds in order, [bucket, measured ms or None, why, expected]
-    (the policy's choices against what each cost; why: which part of the policy picked it,
-    engine.budget.PICK_REASONS; expected: the batch's expected tokens at every bucket, in the order of
-    the auto buckets, or None in a call given to steps); None for a fixed budget."""
+    """Budget "auto": each timed call's rounds in order, [bucket, measured ms or None, why, expected,
+    rate, costs] (the policy's choices against what each cost; why: which part of the policy picked
+    it, engine.budget.PICK_REASONS; expected: the batch's expected tokens at every bucket, in the order
+    of the auto buckets, or None in a call given to steps; rate: the steady rate in tokens per ms and
+    costs: the ms per round of every bucket that the per-round rule weighed, None where it did not
+    decide); None for a fixed budget."""
     if not any(s.budgets for s in stats):
         return None
     return [[_logged_round(k, t, *pick) for k, t, pick in zip(s.budgets, s.round_seconds, s.budget_picks)]
             for s in stats]  # fmt: skip
 
 
-def _logged_round(bucket: int, seconds: float, why: str, expected: list[float] | None) -> list:
-    """One round of the log: [bucket, ms (None: not measured), why, the batch's E per bucket or None]."""
+def _logged_round(bucket: int, seconds: float, why: str, expected: list[float] | None,
+                  rate: float | None = None, costs: list[float] | None = None) -> list:  # fmt: skip
+    """One round of the log: [bucket, ms (None: not measured), why, the batch's E per bucket or None,
+    the rule's steady rate in tokens per ms and its ms per bucket, or None]."""
     ms = None if seconds != seconds else round(seconds * 1e3, 4)
-    return [bucket, ms, why, None if expected is None else [round(x, 2) for x in expected]]
+    return [bucket, ms, why, None if expected is None else [round(x, 2) for x in expected],
+            None if rate is None else round(rate * 1e-3, 3),
+            None if costs is None else [round(c * 1e3, 4) for c in costs]]  # fmt: skip
 
 
 def _cost_accounting(seconds: list[float]) -> dict | None:

@@ -203,6 +203,8 @@ class _Choice:
     expected: np.ndarray
     why: str = "rule"
     batch_expected: np.ndarray | None = None  # [buckets]; None in a call given to steps
+    rate: float | None = None  # the steady rate lambda the rule weighed costs at (tokens per second)
+    costs: list[float] | None = None  # the seconds per round it priced each bucket at
 
 
 @dataclass
@@ -236,7 +238,7 @@ class BudgetPolicy:
     expected: dict[int, float] = field(default_factory=dict)  # sum of the E the choices expected
     observed: dict[int, float] = field(default_factory=dict)  # sum of committed tokens per bucket
     requests: dict[int, int] = field(default_factory=dict)  # (request, round) pairs per bucket
-    last_pick: tuple[str, np.ndarray | None] | None = None  # the round last read: (why, batch's E), _Choice
+    last_pick: _Choice | None = None  # the choice of the round last read
 
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
@@ -322,7 +324,7 @@ class BudgetPolicy:
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
         seen = self._seen(rows)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
-        totals, why = per_row.sum(axis=0), "call"
+        totals, why, rate, costs = per_row.sum(axis=0), "call", None, None
         if remaining is not None and self._steps_end_soonest(rows, remaining, must_draft):
             j = self.buckets.index(0)
             if not self.stepping and self.call_steps >= PROBE_STEPS and self._one_request(rows):
@@ -343,7 +345,7 @@ class BudgetPolicy:
             if self.buckets[j] == 0:
                 step, j = j, self._explore(costs, j)
                 why = "explore" if j != step else why
-        self.pending.append(_Choice(rows, seen, per_row[:, j], why, totals))
+        self.pending.append(_Choice(rows, seen, per_row[:, j], why, totals, rate, costs))
         self.age[rows] += 1
         step = self.buckets[j] == 0
         self.streak = self.streak + 1 if step else 0
@@ -524,7 +526,7 @@ class BudgetPolicy:
         choice picks by how the draft looks, so that a bucket picked for hard rounds would look worse
         than it is)."""
         choice = self.pending.popleft() if self.pending else None
-        self.last_pick = (choice.why, choice.batch_expected) if choice is not None else None
+        self.last_pick = choice
         if seconds is not None:
             self.costs.observe(bucket, seconds)
             if bucket == 0 and self.last_read == 0:

@@ -194,6 +194,15 @@ class _HostCopy:
         return data[:, 1:width].copy(), data[:, 0].copy(), floats
 
 
+def _logged_pick(choice) -> tuple:
+    """What stats.budget_picks keeps of a round's choice (BudgetPolicy.last_pick): why, the batch's E
+    per bucket, and the steady rate and per-bucket seconds the rule weighed (None where it did not)."""
+    if choice is None:
+        return "?", None, None, None
+    batch = None if choice.batch_expected is None else choice.batch_expected.tolist()
+    return choice.why, batch, choice.rate, choice.costs
+
+
 def _commit(run: Run, state: State, tokens: np.ndarray, counts: np.ndarray) -> None:
     """Hands each running request its tokens of the round; tells the device which requests are done
     (a copy from pinned memory in stream order: the rounds enqueued after it see it; a round already in
@@ -350,8 +359,7 @@ class _Rounds:
             sums, would = (floats[:, :buckets], floats[:, buckets:]) if spec else (None, None)
             self.policy.observe(entry.bucket, seconds, rows, counts, sums, would)
             self.run.stats.budgets.append(entry.bucket)
-            why, batch = self.policy.last_pick or ("?", None)
-            self.run.stats.budget_picks.append((why, None if batch is None else batch.tolist()))
+            self.run.stats.budget_picks.append(_logged_pick(self.policy.last_pick))
         return tokens, counts
 
     def _cost(self, entry: _InFlight) -> float | None:

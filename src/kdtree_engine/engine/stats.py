@@ -100,9 +100,13 @@ class GenerationStats:
     discarded_rounds: int = 0  # rounds enqueued past the end (after a stop; engine.loop), not in `rounds`
     eager_rounds: int = 0  # rounds past a call's first run eagerly although graphs are on (not captured yet)
     budgets: list[int] = field(default_factory=list)  # budget "auto": each round's bucket, in order
-    # budget "auto": per round, why the policy picked its bucket (engine.budget.PICK_REASONS) and the
-    # batch's expected tokens at every bucket it weighed (None in a call given to steps)
-    budget_picks: list[tuple[str, list[float] | None]] = field(default_factory=list)
+    # budget "auto": per round, why the policy picked its bucket (engine.budget.PICK_REASONS), the
+    # batch's expected tokens at every bucket it weighed (None in a call given to steps), and the
+    # steady rate (tokens per second) and seconds per bucket the per-round rule weighed (None where the
+    # rule did not decide)
+    budget_picks: list[tuple[str, list[float] | None, float | None, list[float] | None]] = field(
+        default_factory=list
+    )
     budget_report: dict = field(default_factory=dict)  # budget "auto": engine.budget.BudgetPolicy.report()
     round_seconds: list[float] = field(default_factory=list)  # each round's measured cost (NaN: not measured)
 
