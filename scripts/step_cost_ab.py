@@ -95,7 +95,7 @@ def main() -> None:
     outs = dict(zip(runs, e2e.alternate_calls(list(runs.values()), args.calls)))
     figures = {name: [call_figures(out.stats) for out in calls] for name, calls in outs.items()}
     reasons = Counter(
-        f"{k}:{why}" for out in outs["auto"] for k, (why, *_) in zip(out.stats.budgets, out.stats.budget_picks)
+        f"{k}:{pick[0]}" for out in outs["auto"] for k, pick in zip(out.stats.budgets, out.stats.budget_picks)
     )
     print(
         f"batch {args.batch}, temperature {args.temperature}, {args.calls} calls each, alternating; {device}"
