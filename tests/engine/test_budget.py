@@ -128,8 +128,9 @@ def test_costs_are_medians_and_unmeasured_buckets_get_tried():
 def test_stage_timed_calls_price_their_rounds_apart():
     """A call that times its stages (slower rounds) prices them in cost tables of its own. An untimed
     call after it prices a bucket it has not measured at the stage-timed price, shifted by the median
-    difference over the buckets both have measured (none yet: unshifted), and its own measurements
-    replace it; a later stage-timed call finds its own prices again."""
+    difference over the buckets both have measured (none yet: unshifted), but a tree no dearer than the
+    largest tree it has measured, and its own measurements replace it; a later stage-timed call finds
+    its own prices again."""
     policy = BudgetPolicy(AUTO_BUCKETS, depth=48)
     policy.new_call(stage_timed=True)
     for k, t in ((0, 2.5), (16, 3.0), (32, 4.0)):
@@ -141,31 +142,35 @@ def test_stage_timed_calls_price_their_rounds_apart():
     for k, t in ((0, 0.5), (16, 1.5)):
         for _ in range(MIN_COST_ROUNDS):
             policy.observe(k, t, [0], [1], None)
-    # shifts -2.0 (the step) and -1.5 (bucket 16): median -1.75; bucket 8 still untried
-    assert [policy.costs.estimate(k) for k in (0, 8, 16, 32)] == [0.5, 0.0, 1.5, 2.25]
+    # shifts -2.0 (the step) and -1.5 (bucket 16): median -1.75, the step's price; bucket 8 still
+    # untried; bucket 32 (4.0 - 1.75 shifted) no dearer than bucket 16, the largest tree measured here
+    assert [policy.costs.estimate(k) for k in (0, 8, 16, 32)] == [0.5, 0.0, 1.5, 1.5]
     policy.new_call(stage_timed=True)
     assert [policy.costs.estimate(k) for k in (0, 16, 32)] == [2.5, 3.0, 4.0]
     policy.new_call()
     assert policy.costs.estimate(16) == 1.5
 
 
-def test_an_unmeasured_tree_is_priced_between_its_measured_neighbours():
-    """A bucket not measured in this timing mode, between two trees that are, is priced on the line
-    between their medians, not at the other mode's price: stage-timed rounds are noisy, and a bucket
-    priced dear there was never picked, so never measured here (bucket 32 at 1.4 against 64 at 0.93
-    stage-timed, while untimed 16 costs 0.56 and 64 0.70). Outside measured neighbours the other
-    mode's shifted price holds, kept on the right side of the nearest measured tree."""
+def test_an_unmeasured_tree_is_never_priced_above_what_the_measured_trees_imply():
+    """A tree bucket not measured in this timing mode is priced from the trees that are, not at the
+    other mode's price: stage-timed rounds are noisy, and a bucket priced dear there was never picked,
+    so never measured here (bucket 32 at 1.4 against 64 at 0.93 stage-timed). Untimed, 16 costs 0.56
+    and 64 0.70: 32 sits on the line between them, and with only 16 measured, 32 and 64 cost what 16
+    does until measured; below the smallest measured tree the other mode's shifted price holds, kept
+    under that tree's."""
     policy = BudgetPolicy(AUTO_BUCKETS, depth=48)
     policy.new_call(stage_timed=True)
     for k, t in ((0, 0.5), (8, 1.0), (16, 1.14), (32, 1.4), (64, 0.93)):
         for _ in range(MIN_COST_ROUNDS):
             policy.observe(k, t, [0], [1], None)
     policy.new_call(stage_timed=False)
-    for k, t in ((16, 0.56), (64, 0.70)):
-        for _ in range(MIN_COST_ROUNDS):
-            policy.observe(k, t, [0], [1], None)
+    for _ in range(MIN_COST_ROUNDS):
+        policy.observe(16, 0.56, [0], [1], None)
+    assert [policy.costs.estimate(k) for k in (32, 64)] == [0.56, 0.56]
+    for _ in range(MIN_COST_ROUNDS):
+        policy.observe(64, 0.70, [0], [1], None)
     assert policy.costs.estimate(32) == pytest.approx(0.56 + 0.14 * 16 / 48)
-    # bucket 8, below the lowest measured tree: the stage-timed 1.0 shifted by the median difference
+    # bucket 8, below the smallest measured tree: the stage-timed 1.0 shifted by the median difference
     # (-0.405) is 0.595, kept under bucket 16's 0.56
     shift = float(np.median([0.56 - 1.14, 0.70 - 0.93]))
     assert policy.costs.estimate(8) == pytest.approx(min(1.0 + shift, 0.56))

@@ -286,15 +286,18 @@ class CostTable:
         return self._own[bucket]
 
     def estimate(self, bucket: int) -> float:
-        """The bucket's median; for a tree bucket measured fewer than MIN_COST_ROUNDS times between two
-        measured trees, the line between their medians (in nodes: a round's cost grows with its tree);
-        otherwise the fallback's price shifted by the median difference between the two tables over
-        the buckets both have measured (none: unshifted; a stage-timed round costs about a fixed host
-        sync more than an untimed one), kept between its measured neighbours' medians, or else 0 (so
-        that every bucket gets tried: an autoregressive step costs far less than any tree, which no
-        neighbour tells). The fallback's prices are the other timing mode's, whose stage syncs make
-        them noisy: taken as they are, one bucket's could keep it from ever being picked, and so from
-        being measured here."""
+        """The bucket's median, once measured MIN_COST_ROUNDS times. Before that, a tree bucket is
+        priced from the trees measured here (a round's cost grows with its tree): between two, on the
+        line between their medians; where the fallback has measured it, above them all at the largest
+        one's median (it costs at least that) and below them all at the fallback's price shifted by
+        the median difference between the two tables over the buckets both have measured, but no more
+        than the smallest one's median. Otherwise (the step, or no tree measured here) the fallback's
+        shifted price (none measured in both: unshifted; a stage-timed round costs about a fixed host
+        sync more than an untimed one), or else 0, so that every bucket gets tried (an autoregressive
+        step costs far less than any tree, which no neighbour tells; and a bucket never built has no
+        draft's S to judge it by). An unmeasured bucket is never priced above what the measured ones
+        imply: the fallback's prices are the other timing mode's, whose stage syncs make them noisy,
+        and a bucket priced too dear is never picked, so never measured here."""
         if bucket not in self._estimates:
             price = self.own(bucket)
             lower, upper = self._neighbours(bucket) if price <= 0 and bucket > 0 else (None, None)
@@ -302,9 +305,10 @@ class CostTable:
                 (k0, c0), (k1, c1) = lower, upper
                 price = c0 + (c1 - c0) * (bucket - k0) / (k1 - k0)
             other = self.fallback.own(bucket) if self.fallback is not None and price <= 0 else 0.0
-            if other > 0:
+            if other > 0 and lower is not None:
+                price = lower[1]
+            elif other > 0:
                 price = max(other + self._shift(), 0.1 * other)
-                price = max(price, lower[1]) if lower is not None else price
                 price = min(price, upper[1]) if upper is not None else price
             self._estimates[bucket] = price
         return self._estimates[bucket]
@@ -315,7 +319,7 @@ class CostTable:
         measured = [(k, self.own(k)) for k in self.buckets if k > 0 and self.own(k) > 0]
         lower = [kc for kc in measured if kc[0] < bucket]
         upper = [kc for kc in measured if kc[0] > bucket]
-        return (lower[-1] if lower else None), (upper[0] if upper else None)
+        return (max(lower) if lower else None), (min(upper) if upper else None)
 
     def _shift(self) -> float:
         """The median of (own - fallback) over the buckets both have measured; 0 for none."""
