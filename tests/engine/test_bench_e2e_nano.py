@@ -426,14 +426,16 @@ def test_auto_row_reports_its_choices():
     costs = auto["round_costs"]  # on the CPU a round's own stages are timed (not: a bucket's first, eager)
     assert costs["rounds"] == sum(auto["budgets"].values()) and 0 < costs["measured"] <= costs["rounds"]
     assert 0 < costs["seconds"] < auto["call_s"]
-    log = [entry for call in auto["round_log"] for entry in call]  # each round: [bucket, ms, why, E]
+    log = [entry for call in auto["round_log"] for entry in call]  # [bucket, ms, why, E, rate, costs]
     assert Counter(k for k, *_ in log) == Counter({int(k): v for k, v in auto["budgets"].items()})
     assert sum(ms for _, ms, *_ in log if ms is not None) == pytest.approx(costs["seconds"] * 1e3, abs=1e-3)
-    weighed = {len(e) for *_, e in log if e is not None}  # the batch's E at every bucket, each round
+    weighed = {len(e) for _, _, _, e, *_ in log if e is not None}  # the batch's E at every bucket
     assert len(weighed) == 1 and weighed.pop() >= 2
-    for _, _, why, expected in log:  # why the policy picked the round's bucket
+    for _, _, why, expected, rate, costs in log:  # why the policy picked the round's bucket
         assert why in PICK_REASONS and (expected is None) == (why == "stepping")
         assert expected is None or min(expected) >= 1.0  # at least the bonus token of one running request
+        ruled = why in ("rule", "untried", "explore")  # the rule's rate and prices, in tokens/ms and ms
+        assert (rate is not None) == ruled and (costs is None or len(costs) == len(expected))
     for r in rows:  # per call (prompt group), the same groups in every row: tokens, ms, rounds
         assert [n for n, _, _ in r["call_log"]] == [24]  # two prompts, batch 2, 12 tokens: one group
         assert sum(ms for _, ms, _ in r["call_log"]) == pytest.approx(r["call_s"] * 1e3, abs=1e-2)

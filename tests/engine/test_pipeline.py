@@ -228,3 +228,38 @@ def test_the_auto_budgets_picks_overlap_a_round_in_flight(monkeypatch):
         assert sum(k > 0 for k in read) > 2  # trees: the last rounds are read first
         assert in_flight_at_pick[0] == 0 and min(in_flight_at_pick[1:]) >= 1
         assert picked[: len(read)] == read and len(picked) - len(read) <= 1 + out.stats.discarded_rounds
+
+
+@pytest.mark.parametrize("budget", [8, "auto"])
+def test_a_later_calls_first_bucket_is_picked_while_its_prefill_runs(monkeypatch, budget):
+    """Pipelined, a Runner's later call picks its first round's bucket after the prefill is enqueued
+    and before the host reads the prefill's tokens (the auto budget's first pick computes the static
+    call's test afresh); the tokens stay greedy, and the first call (no rounds yet) picks after."""
+    from kdtree_engine.engine.requests import Requests
+
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: True)
+    monkeypatch.setattr(round_stages, "use_graphs", lambda run, device: True)
+    monkeypatch.setattr(loop, "PrefillGraphs", HostPrefillGraphs)
+    monkeypatch.setattr(loop, "_Graphs", _HostGraphs)
+    events, first_picks, binds = [], [], []
+
+    def spy(owner, name: str, log: list, tag) -> None:
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, **k: log.append(tag) or real(*a, **k))
+
+    spy(BudgetPolicy, "pick", events, "pick")
+    spy(Requests, "commit_round", events, "commit")
+    spy(loop._Rounds, "pick_first", binds, 1)
+    target = tiny_target(2)
+    prompts = random_prompts(3, [5, 8], target.config.vocab_size)
+    drafter = OracleDrafter(target, prompts, 80, block_size=6, rank=lambda pos: 0 if pos % 3 else 9, top=2)
+    runner = loop.Runner(target, drafter, GenerationConfig(max_new_tokens=40, budget=budget), batch_size=2,
+                         prompt_len=8)  # fmt: skip
+    for call in range(3):
+        events.clear(), binds.clear()
+        out = runner.generate(prompts, stage_timing=False)
+        assert out.tokens == greedy_generate(target, prompts, 40)
+        first_picks.append(events[:2])
+        assert binds == ([] if call == 0 else [1])
+    if budget == "auto":
+        assert first_picks == [["commit", "pick"], ["pick", "commit"], ["pick", "commit"]]

@@ -106,9 +106,9 @@ def test_one_generate_call_prefills_eagerly_at_the_longest_prompt(stood_in, monk
     seen = []
     real = loop._prefill
 
-    def spy(run, prompts, state=None, graphs=None, width=None):
+    def spy(run, prompts, state=None, graphs=None, width=None, while_running=None):
         seen.append((graphs, width))
-        return real(run, prompts, state, graphs, width)
+        return real(run, prompts, state, graphs, width, while_running)
 
     monkeypatch.setattr(loop, "_prefill", spy)
     HostPrefillGraphs.captures = 0

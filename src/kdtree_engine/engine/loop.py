@@ -35,8 +35,9 @@ that same per-round copy); a finished request's row stays in the batch and commi
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,12 +73,14 @@ def _reset_cache(cache) -> None:
 
 
 def _prefill(run: Run, prompts: list[list[int]], state: State | None = None,
-             graphs: PrefillGraphs | None = None, width: int | None = None) -> State:  # fmt: skip
+             graphs: PrefillGraphs | None = None, width: int | None = None,
+             while_running: Callable[[], None] | None = None) -> State:  # fmt: skip
     """Prefill of the ragged prompts, padded to `width` (default: the longest), capturing the drafter's
     target layers; commits each request's first token, chosen from its last real row. `state`: the
     state of an earlier call of the same shape (a Runner's), reset and written in place; None: a new
     one. `graphs` (a Runner's on CUDA): the prefill replays the graph of its width, or runs eagerly and
-    is captured after (in the call's capture time)."""
+    is captured after (in the call's capture time). `while_running`: host work done once the prefill
+    is enqueued, before the host waits for its first tokens."""
     b = len(prompts)
     cache = state.cache if state is not None else run.target.new_cache(b, run.max_len)
     cache.rows_hint = run.rows_hint  # the attention's split count: the rows in use, not the margins
@@ -93,6 +96,8 @@ def _prefill(run: Run, prompts: list[list[int]], state: State | None = None,
         else:  # with graphs, unvalidated as the capture is: the same attention plan, the same bits
             out = prefill_forward(run, cache, ids, lens, validate=graphs is None)
         bonus = pick_token(run, out.logits[:, 0])  # [B]
+    if while_running is not None:
+        while_running()
     if graphs is not None and graph is None:
         t0 = run.timer.now()  # a device sync: only around a capture
         graphs.capture(run, cache, ids, lens)
@@ -293,6 +298,19 @@ class _Rounds:
             return bucket
         return self._pick()
 
+    def pick_first(self, run: Run) -> None:
+        """Binds the rounds to a later call (reuse) and holds its first round's bucket, picked while
+        the call's prefill runs: the auto budget's first pick (its static call's test computed afresh)
+        is host work that would otherwise sit between the prefill and the first round. It sees the
+        requests as the prefill leaves them: each with the prefill's token committed and a request of
+        one token done."""
+        self.reuse(run, self.state)
+        if self.policy is None:
+            return
+        reqs = run.reqs
+        remaining = reqs.limits - reqs.lengths - 1  # after the prefill's token
+        self.held = self.policy.pick(reqs.active & (remaining > 0), True, remaining)
+
     def hold(self) -> None:
         """Picks the next round's bucket now, to be enqueued later (pick() returns it), unless one is
         held already: the policy's host work then overlaps the round in flight (_decode). A bucket held
@@ -439,7 +457,7 @@ def _decode(run: Run, state: State, device: torch.device, rounds: _Rounds | None
     past the end but after a stop). `rounds`: those of an earlier call on this state."""
     if rounds is None:
         rounds = _Rounds(run, state)
-    else:
+    elif rounds.run is not run:  # not bound to this call yet (pick_first binds it)
         rounds.reuse(run, state)
     speculative = run.config.method != "autoregressive"
     graphs_wanted, ahead = round_stages.use_graphs(run, device), _pipelined(run, device)
@@ -559,13 +577,17 @@ class Runner:
     def _prefill(self, run: Run, prompts: list[list[int]], last: bool) -> State:
         """The call's prefill on this Runner's state: with CUDA graphs and a later call to come, padded
         to its width (engine.prefill) and replayed from that width's graph (captured after its first
-        prefill); otherwise eager, padded to the longest prompt."""
+        prefill); otherwise eager, padded to the longest prompt. With rounds enqueued ahead (on CUDA),
+        a later call's first bucket is picked while the prefill runs (_Rounds.pick_first)."""
+        first = None
+        if self._rounds is not None and _pipelined(run, self.device):
+            first = functools.partial(self._rounds.pick_first, run)
         if last or not round_stages.use_graphs(run, self.device):
-            return _prefill(run, prompts, self._state)
+            return _prefill(run, prompts, self._state, while_running=first)
         if self._prefills is None:
             self._prefills = PrefillGraphs()
         width = prefill_width(max(len(p) for p in prompts), self.prompt_len)
-        return _prefill(run, prompts, self._state, self._prefills, width)
+        return _prefill(run, prompts, self._state, self._prefills, width, while_running=first)
 
     def generate(
         self, prompts, *, on_tokens: OnTokens | None = None, stage_timing: bool = True, tokenizer=None
