@@ -42,12 +42,35 @@ def setting_lines(rows: list[dict]) -> list[str]:
     for i, (call, log) in enumerate(zip(auto["call_log"], logs, strict=True)):
         times = {row_name(r): r["call_log"][i][1] for r in others}
         fastest = min(times, key=times.get)
+        same = [row_name(r) for r in others if _text(r, i) is not None and _text(r, i) == _text(auto, i)]
         lines.append(
             f"  call {i}: auto {call[1]:.2f} ms in {call[2]} rounds; {row_name(best)} "
             f"{times[row_name(best)]:.2f}, fastest {fastest} {times[fastest]:.2f}, ar {times['ar']:.2f}; "
-            f"{reasons(log)}"
+            f"{reasons(log)}; auto's text also {' '.join(same) or 'none'}"
         )
-    return lines
+    return lines + same_text_line(auto, best)
+
+
+def _text(row: dict, call: int) -> str | None:
+    """The digest of a row's call's text (bench e2e's call_log), None in a result without it."""
+    entry = row["call_log"][call]
+    return entry[3] if len(entry) > 3 else None
+
+
+def same_text_line(auto: dict, best: dict) -> list[str]:
+    """Auto against the best row on the calls where both decoded the same text (none in a result without
+    texts' digests): what remains of the gap when neither row's texts are luckier."""
+    calls = [
+        i
+        for i in range(len(auto["call_log"]))
+        if _text(auto, i) is not None and _text(auto, i) == _text(best, i)
+    ]
+    if not calls:
+        return []
+    ms = [sum(row["call_log"][i][1] for i in calls) for row in (auto, best)]
+    name, total = row_name(best), len(auto["call_log"])
+    return [f"  same text as {name} in {len(calls)} of {total} calls: auto {ms[0]:.2f} ms, {name} "
+            f"{ms[1]:.2f} ms ({ms[1] / ms[0]:.3f})"]  # fmt: skip
 
 
 def main() -> None:

@@ -436,15 +436,39 @@ def test_auto_row_reports_its_choices():
         assert expected is None or min(expected) >= 1.0  # at least the bonus token of one running request
         ruled = why in ("rule", "untried", "explore")  # the rule's rate and prices, in tokens/ms and ms
         assert (rate is not None) == ruled and (costs is None or len(costs) == len(expected))
-    for r in rows:  # per call (prompt group), the same groups in every row: tokens, ms, rounds
-        assert [n for n, _, _ in r["call_log"]] == [24]  # two prompts, batch 2, 12 tokens: one group
-        assert sum(ms for _, ms, _ in r["call_log"]) == pytest.approx(r["call_s"] * 1e3, abs=1e-2)
-        assert sum(k for *_, k in r["call_log"]) == r["round_costs"]["rounds"]
+    for r in rows:  # per call (prompt group), the same groups in every row: tokens, ms, rounds, text
+        assert [n for n, *_ in r["call_log"]] == [24]  # two prompts, batch 2, 12 tokens: one group
+        assert sum(ms for _, ms, *_ in r["call_log"]) == pytest.approx(r["call_s"] * 1e3, abs=1e-2)
+        assert sum(k for _, _, k, _ in r["call_log"]) == r["round_costs"]["rounds"]
+    # greedy in float32 on the CPU, every row decodes autoregressive decoding's text: one digest
+    assert len({r["call_log"][0][3] for r in rows}) == 1
     lines = _auto_calls().setting_lines(rows)  # scripts/auto_calls.py: auto call by call
-    assert len(lines) == 2 and lines[0].startswith("batch 2, temperature 0.0: auto ")
+    assert len(lines) == 3 and lines[0].startswith("batch 2, temperature 0.0: auto ")
     assert lines[1].startswith("  call 0: auto ") and f"in {auto['call_log'][0][2]} rounds" in lines[1]
+    assert lines[1].endswith("auto's text also ar dflash 4")
+    assert lines[2].startswith("  same text as ") and " in 1 of 1 calls: auto " in lines[2]
     for r in rows[:-1]:  # every budget's rounds are measured alike, autoregressive decoding's too
         assert r["round_log"] is None
         c = r["round_costs"]
         assert 0 < c["measured"] <= c["rounds"] and 0 < c["seconds"] < r["call_s"]
     assert "| rounds | measured | measured ms | call ms | measured / call | rest ms |" in md
+
+
+def test_auto_calls_compares_auto_with_the_best_row_on_the_calls_of_the_same_text():
+    """scripts/auto_calls.py's last line of a setting: auto against the best row on the calls whose texts'
+    digests agree (there neither row's text is luckier); none for a result without digests."""
+    script = _auto_calls()
+
+    def row(method, budget, tokens_per_s, calls):
+        return {"method": method, "budget": budget, "batch": 1, "temperature": 0.0,
+                "tokens_per_s": tokens_per_s, "call_log": calls}  # fmt: skip
+
+    auto = row("ddtree", "auto", 90.0, [[8, 10.0, 4, "a"], [8, 30.0, 9, "b"], [8, 12.0, 5, "c"]])
+    best = row("ddtree", 32, 100.0, [[8, 9.0, 4, "a"], [8, 15.0, 5, "x"], [8, 12.0, 5, "c"]])
+    ar = row("autoregressive", 0, 30.0, [[8, 40.0, 8, "a"], [8, 40.0, 8, "b"], [8, 40.0, 8, "c"]])
+    lines = script.setting_lines([ar, best, auto])
+    assert lines[-1] == "  same text as 32 in 2 of 3 calls: auto 22.00 ms, 32 21.00 ms (0.955)"
+    assert lines[2].endswith("auto's text also ar")  # call 1: the best row decoded another text
+    for r in (auto, best, ar):
+        r["call_log"] = [entry[:3] for entry in r["call_log"]]
+    assert not script.setting_lines([ar, best, auto])[-1].startswith("  same text")

@@ -14,6 +14,7 @@ with the one harness of every benchmark (bench/timing.py).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -157,8 +158,9 @@ def summarize(outputs) -> dict:
     """The measures of timed generate() calls taken together: tokens/s over their summed wall time less
     graph capture, target forwards per token, tau over every (request, round), time per round of each
     stage; `tokens`: the outputs' token lists, concatenated; `call_log`: per call, in order, its new
-    tokens, ms (less capture) and rounds (a batch's calls are its prompt groups: every row runs the same
-    groups, so a row's call i compares with another's)."""
+    tokens, ms (less capture), rounds and its text's digest (a batch's calls are its prompt groups: every
+    row runs the same groups, so a row's call i compares with another's, and on the same text where the
+    digests agree)."""
     stats = [o.stats for o in outputs]
     wall = sum(s.wall_time - s.capture_time for s in stats)
     new_tokens = sum(s.total_new_tokens for s in stats)
@@ -188,9 +190,21 @@ def summarize(outputs) -> dict:
         "round_costs": _cost_accounting([t for s in stats for t in s.round_seconds]),
         "round_log": _round_log(stats),
         "call_log": [
-            [s.total_new_tokens, round((s.wall_time - s.capture_time) * 1e3, 4), s.rounds] for s in stats
-        ],
+            [
+                o.stats.total_new_tokens,
+                round((o.stats.wall_time - o.stats.capture_time) * 1e3, 4),
+                o.stats.rounds,
+                text_digest(o.tokens),
+            ]
+            for o in outputs
+        ],  # fmt: skip
     }
+
+
+def text_digest(tokens: list[list[int]]) -> str:
+    """A short digest of a call's new tokens, request by request: equal digests, equal texts (two rows
+    whose greedy bf16 outputs part decode texts that accept differently, docs/engine.md)."""
+    return hashlib.sha1(json.dumps(tokens).encode()).hexdigest()[:12]
 
 
 def _round_log(stats) -> list[list] | None:
