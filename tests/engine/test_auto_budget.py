@@ -10,7 +10,7 @@ import torch
 
 from kdtree_engine.engine import GenerationConfig, Runner, SamplingParams, generate, loop
 from kdtree_engine.engine import stages as round_stages
-from kdtree_engine.engine.budget import BudgetPolicy, auto_buckets
+from kdtree_engine.engine.budget import PROBE_STEPS, BudgetPolicy, auto_buckets
 from kdtree_engine.engine.budget_estimates import CostTable
 from kdtree_engine.model import greedy_generate
 from tests.engine.helpers import (
@@ -167,9 +167,11 @@ def test_the_read_after_an_eager_enqueue_is_not_timed(monkeypatch):
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_call_given_to_steps_never_drafts(monkeypatch, pipelined):
     """With every cost measured, steps cheap and trees dear, the static call's test gives the call to
-    steps from its first round: no draft at all (not even the first, which would read the prompts'
-    features), plain decoding's step (no features kept for the drafter), greedy output; the next call
-    on the Runner starts afresh and is given to steps again."""
+    steps from its first round once every tree has been built: no draft at all (not even the first,
+    which would read the prompts' features), plain decoding's step (no features kept for the drafter),
+    greedy output; each later call on the Runner starts afresh and is given to steps again. A fresh
+    Runner's first call builds them: its first round drafts, and after PROBE_STEPS of the test's steps
+    the probe drafts the largest tree, which tells every bucket's S."""
     monkeypatch.setattr(loop, "_pipelined", lambda run, device: pipelined)
     monkeypatch.setattr(CostTable, "estimate", lambda self, k: 1e-9 if k == 0 else 1.0)
     target, drafter = tiny_target(5), tiny_drafter(5, block_size=6)
@@ -178,6 +180,11 @@ def test_a_call_given_to_steps_never_drafts(monkeypatch, pipelined):
     prompts = random_prompts(7, [5, 9], target.config.vocab_size)
     runner = Runner(target, drafter, GenerationConfig(max_new_tokens=20, budget="auto"), batch_size=2,
                     prompt_len=9)  # fmt: skip
+    first = runner.generate(prompts)
+    assert first.tokens == greedy_generate(target, prompts, 20)
+    assert first.stats.budgets[0] > 0 and first.stats.budgets[1 + PROBE_STEPS] == 64 and calls
+    assert runner._rounds.policy._unbuilt() is None
+    calls.clear()
     for _ in range(2):
         out = runner.generate(prompts)
         assert out.tokens == greedy_generate(target, prompts, 20)

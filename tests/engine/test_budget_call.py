@@ -80,6 +80,9 @@ def _policy_after_a_round(costs: dict[int, float], batch: int, accepted: float, 
     policy = BudgetPolicy(AUTO_BUCKETS, depth=64)
     _measured(policy, costs)
     rows = list(range(batch))
+    # an earlier draft built every bucket, the larger trees at S 0 (estimated as if never built: E 1);
+    # a call is given to steps only once every tree has been built (BudgetPolicy._unbuilt)
+    policy.calibration.observe_drafts(np.tile([0.0, 1.0, 2.0, 0.0, 0.0, 0.0], (batch, 1)))
     sums = np.tile([0.0, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
     for r in range(rounds):
         policy.pick([True] * batch, must_draft=True)
@@ -322,3 +325,25 @@ def test_with_more_than_one_request_the_tests_steps_are_not_probed():
         k = policy.pick([True] * 64, must_draft=False, remaining=[left] * 64)
         picks.append((k, _why_read(policy, k, 64)))
     assert picks == [(0, "call")] * (2 * PROBE_STEPS + 3) and not policy.stepping
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_call_is_not_given_to_steps_while_a_tree_was_never_built(batch):
+    """Steps far cheaper than every tree, but no draft has built buckets 16-64 (only bucket 8 has run):
+    their E is a step's for want of any S, not for being poor, so the test's decisive answer steps this
+    round without giving the call to steps; after PROBE_STEPS such steps the probe drafts the largest
+    tree never built (one round of it tells every smaller bucket's S), at any batch; once it is read,
+    the call is given to steps."""
+    policy = BudgetPolicy(AUTO_BUCKETS, depth=64)
+    _measured(policy, {0: 1.0, 4: 3.0, 8: 3.2, 16: 3.5, 32: 4.0, 64: 5.0})
+    rows, active, left = list(range(batch)), [True] * batch, [120] * batch
+    sums = np.tile([0.0, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
+    policy.pick(active, must_draft=True)
+    policy.observe(8, None, rows, [1.2] * batch, sums, np.tile([1.0, 1.1, 1.2] + [np.nan] * 3, (batch, 1)))
+    for _ in range(PROBE_STEPS):
+        assert policy.pick(active, must_draft=False, remaining=left) == 0 and not policy.stepping
+        policy.observe(0, None, rows, [1] * batch, None)
+    assert policy.pick(active, must_draft=False, remaining=left) == 64 and policy.pending[-1].why == "probe"
+    told = np.tile([1.0, 1.1, 1.2, 1.2, 1.3, 1.3], (batch, 1))
+    policy.observe(64, None, rows, [1.3] * batch, np.tile([0.0, 1.0, 2.0, 2.2, 2.4, 2.5], (batch, 1)), told)
+    assert policy.pick(active, must_draft=False, remaining=left) == 0 and policy.stepping

@@ -80,6 +80,15 @@ PROBE_STEPS + 1 cheap. Not with more requests: there a close answer for steps is
 doing, and the probes' rounds, read as the trees' rates, turned calls back to trees that the tail then
 made slower (docs/engine.md has the simulator's figures).
 
+Trees never built. A bucket's level of S is known once a draft has built it (a round of bucket n tells
+the S of every bucket up to n). Before that its E is a step's for want of any S, and its upper bound
+says nothing either, so a test that gave the call to steps then would judge the trees by the small ones
+built so far: on an H100 one Runner gave every call to steps with buckets 16-64 never built, where they
+were worth 2.5 times as much (docs/engine.md, 2026-12-07).
+So a call is given to steps only once every candidate tree has been built (`_unbuilt`); until then a
+decisive answer steps round by round, and after PROBE_STEPS of them the probe, at any batch, drafts the
+largest tree never built: once per Runner, its one round tells every smaller bucket's S.
+
 The chain at its lower bound. Only the chain's own rounds tell what it commits (a tree round tells its S,
 not its count), while every tree is also told by each larger tree's round: its estimate rests on fewer
 pairs, and a choice that takes it whenever that estimate comes out above the trees' takes it on its
@@ -327,7 +336,11 @@ class BudgetPolicy:
         totals, why, rate, costs = per_row.sum(axis=0), "call", None, None
         if remaining is not None and self._steps_end_soonest(rows, remaining, must_draft):
             j = self.buckets.index(0)
-            if not self.stepping and self.call_steps >= PROBE_STEPS and self._one_request(rows):
+            if (
+                not self.stepping
+                and self.call_steps >= PROBE_STEPS
+                and (self._one_request(rows) or self._unbuilt() is not None)
+            ):
                 j, why = self._probe(), "probe"
         else:
             expected = totals.tolist()
@@ -395,8 +408,12 @@ class BudgetPolicy:
 
     def _probe(self) -> int:
         """A tree in place of the static call's test's step after PROBE_STEPS of them in a row (module
-        docstring, "Probing the test's steps"): the steady choice among the trees at their long-run
-        acceptance (Calibration.long_run). Every candidate is measured here (the test answered)."""
+        docstring, "Probing the test's steps"): the largest tree never built, if any ("Trees never
+        built"), else the steady choice among the trees at their long-run acceptance
+        (Calibration.long_run). Every candidate is measured here (the test answered)."""
+        unbuilt = self._unbuilt()
+        if unbuilt is not None:
+            return unbuilt
         _, costs, _ = self.costs.estimates()
         ybar, _ = self.calibration.long_run()
         return self._steady_choice(ybar, costs, trees_only=True)
@@ -405,6 +422,15 @@ class BudgetPolicy:
         """Whether a bucket the choice may take is not measured yet (CostTable.estimate 0): the choice
         then explores, and neither the steady rate nor the static call's test is known."""
         return any(c <= 0 for c, ok in zip(costs, self._candidates.tolist()) if ok)
+
+    def _unbuilt(self) -> int | None:
+        """The largest candidate tree bucket no draft read has built yet, or None: a call is not given
+        to steps while there is one, and the probe drafts it (module docstring, "Trees never built")."""
+        unknown = self.calibration.unknown_levels()
+        if unknown is None:
+            return None
+        never = np.flatnonzero(unknown & self._trees & self._candidates)
+        return int(never[-1]) if never.size else None
 
     def _candidate_mask(self) -> np.ndarray:
         """Per bucket, whether the choice may take it: every bucket, but the chain's only while its own
@@ -458,7 +484,7 @@ class BudgetPolicy:
         if steps is None:
             steps = self._call_answer(rows, remaining, costs, most)
             decisive = self.call_test.kept > 0
-        self.stepping = steps and decisive
+        self.stepping = steps and decisive and self._unbuilt() is None
         return self.stepping or (steps and not must_draft and not partial)
 
     def _call_answer(
