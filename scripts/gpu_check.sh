@@ -38,7 +38,7 @@
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
 # "traces" records kimi-nano's bf16 acceptance on the GPU for the policy simulator, then the nano grid (issue 28).
-# "auto" runs the auto budget's grid on kimi-nano (issue 28), auto call by call (scripts/auto_calls.py) and the host's steps per round with the timed call's timeline; "auto-small" the
+# "auto" runs the auto budget's grid on kimi-nano (issue 28), auto call by call (scripts/auto_calls.py) and the host's steps per round with the timed call's timeline; "auto-same-text" its greedy grid in the row-invariant mode (every row on AR's text); "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
 # benchmark, and an SGLang checkout (or just its python/sglang/srt/speculative/ddtree_utils.py) at
@@ -179,6 +179,17 @@ if [ "$what" = auto ]; then
   timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch ${HOST_BATCH:-4 16} --budgets ${HOST_BUDGETS:-64 auto} \
     --temperature ${HOST_TEMP:-0} --timeline 2>&1 \
     | tee "$R/round_host_time.log" || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = auto-same-text ]; then
+  # issue 28 on equal terms: the greedy grid with the row-invariant mode, where every row decodes
+  # autoregressive decoding's text (in bf16 the default mode's rows part on different texts, which
+  # accept differently), then auto call by call
+  timeout "${T_SAME:-300}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 \
+    --budgets 8 16 32 64 --prompts 8 --auto --row-invariant --out "$R/nano_same_text" 2>&1 \
+    | tee "$R/bench_nano_same_text.log" | tail -40 || status=1
+  python3 scripts/auto_calls.py "$R/nano_same_text/e2e_nano.json" >"$R/auto_calls_same_text.log" 2>&1 || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
