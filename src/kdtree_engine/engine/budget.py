@@ -80,14 +80,13 @@ PROBE_STEPS + 1 cheap. Not with more requests: there a close answer for steps is
 doing, and the probes' rounds, read as the trees' rates, turned calls back to trees that the tail then
 made slower (docs/engine.md has the simulator's figures).
 
-Trees never built. A bucket's level of S is known once a draft has built it (a round of bucket n tells
-the S of every bucket up to n). Before that its E is a step's for want of any S, and its upper bound
-says nothing either, so a test that gave the call to steps then would judge the trees by the small ones
-built so far: on an H100 one Runner gave every call to steps with buckets 16-64 never built, where they
-were worth 2.5 times as much (docs/engine.md, 2026-12-07).
-So a call is given to steps only once every candidate tree has been built (`_unbuilt`); until then a
-decisive answer steps round by round, and after PROBE_STEPS of them the probe, at any batch, drafts the
-largest tree never built: once per Runner, its one round tells every smaller bucket's S.
+Trees never built. A bucket's level of S is known once a draft has built it (a round of bucket n tells the S
+of every bucket up to n). Before that its E is a step's for want of any S, and its upper bound says nothing
+either, so a test that gave the call to steps then would judge the trees by the small ones built so far, and a
+Runner could give every later call to steps without ever drafting the larger trees (docs/engine.md, "Where it
+stands", has the run where one did). So a call is given to steps only once every candidate tree has been built
+(`_unbuilt`); until then a decisive answer steps round by round, and after PROBE_STEPS of them the probe, at
+any batch, drafts the largest tree never built: once per Runner, its one round tells every smaller bucket's S.
 
 The chain at its lower bound. Only the chain's own rounds tell what it commits (a tree round tells its S,
 not its count), while every tree is also told by each larger tree's round: its estimate rests on fewer

@@ -103,13 +103,16 @@ def check_seed_range(seed: int, offset: int) -> None:
 def stream_keys(seed: int, offset: int) -> tuple[int, int]:
     """The (seed, offset) part of the row keys: two 32-bit ints (host side, plain Python)."""
     check_seed_range(seed, offset)
-    words = (seed & MASK32, seed >> 32, offset & MASK32, offset >> 32)
-    keys = []
-    for k in STREAM_INITS:
-        for w in words:
-            k = mix32(k ^ w)
-        keys.append(k)
-    return keys[0], keys[1]
+    return _stream_chain(seed, offset)
+
+
+def _stream_chain(seed: int, offset):
+    """stream_keys' two key chains over the words of seed and offset (an int, or an int64 tensor of
+    offsets: the same chain for each at once), unchecked."""
+    k0, k1 = STREAM_INITS
+    for w in (seed & MASK32, seed >> 32, offset & MASK32, offset >> 32):
+        k0, k1 = mix32(k0 ^ w), mix32(k1 ^ w)
+    return k0, k1
 
 
 def row_keys(seed: int, offset: int, batch: int, nodes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,12 +207,8 @@ def stream_key_table(seed: int, offsets: int) -> torch.Tensor:
     caller that picks the offset of each draw on the device (a CUDA graph replayed once per draw).
     Every offset at once (stream_keys' chain over int64 tensors): an engine call builds one table."""
     check_seed_range(seed, max(offsets - 1, 0))
-    offset = torch.arange(offsets, dtype=torch.int64)
-    keys = []
-    for k in STREAM_INITS:
-        k = mix32(mix32(k ^ (seed & MASK32)) ^ (seed >> 32))  # the seed's words: plain ints
-        keys.append(mix32(mix32(k ^ (offset & MASK32)) ^ (offset >> 32)))
-    table = torch.stack(keys, dim=1)
+    k0, k1 = _stream_chain(seed, torch.arange(offsets, dtype=torch.int64))
+    table = torch.stack([k0, k1], dim=1)
     return torch.where(table >= 1 << 31, table - (1 << 32), table).to(torch.int32)
 
 
