@@ -264,6 +264,83 @@ def test_a_runner_captures_every_round_after_its_first_call(monkeypatch):
     assert first.tokens == second.tokens == greedy_generate(target, prompts, 40)
 
 
+def _counting_round_graphs(monkeypatch) -> list[int]:
+    """Counts the rounds enqueued as one replay of a round graph (engine.loop._Graphs.round_graph)."""
+    from kdtree_engine.engine import loop
+
+    replays = [0]
+    inner = loop._Graphs.round_graph
+
+    def counted(self, order):
+        graph = inner(self, order)
+        replays[0] += graph is not None
+        return graph
+
+    monkeypatch.setattr(loop._Graphs, "round_graph", counted)
+    return replays
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_round_graphs_commit_what_stage_graphs_and_fresh_calls_commit(monkeypatch, temperature):
+    """A Runner's untimed calls replay each round as one graph, its stage-timed calls stage by stage
+    (the stage graphs' outputs kept apart from the round graphs'), in any order: with the auto budget's
+    scripted choice visiting every bucket and steps, every call commits what a fresh call with the
+    same seed commits (greedy: plain greedy decoding's tokens), and the untimed calls did replay round
+    graphs."""
+    from kdtree_engine.engine import Runner
+    from kdtree_engine.engine.budget import BudgetPolicy
+
+    real_pick = BudgetPolicy.pick
+
+    def scripted(self, active, must_draft, remaining=None):
+        real_pick(self, active, must_draft, remaining)
+        k = next(self._script)
+        return max(k, 4) if must_draft else k
+
+    def fresh_script(self, *args, **kwargs):
+        self._script = itertools.cycle([8, 0, 0, 16, 32, 0, 64, 15, 4, 4])
+        return new_call(self, *args, **kwargs)
+
+    new_call = BudgetPolicy.new_call
+    monkeypatch.setattr(BudgetPolicy, "pick", scripted)
+    monkeypatch.setattr(BudgetPolicy, "new_call", fresh_script)
+    replays = _counting_round_graphs(monkeypatch)
+    target, drafter = _models(torch.float32, seed=5)
+    prompts = random_prompts(6, [9, 21, 3], target.config.vocab_size)
+    config = GenerationConfig(max_new_tokens=50, budget="auto", seed=4,
+                              sampling=SamplingParams(temperature=temperature))  # fmt: skip
+    expected = generate(target, drafter, prompts, config).tokens
+    if temperature == 0:
+        assert expected == greedy_generate(target, prompts, 50)
+    runner = Runner(target, drafter, config, batch_size=3, prompt_len=21)
+    for timed in (False, True, False, False, True):
+        before = replays[0]
+        out = runner.generate(prompts, stage_timing=timed)
+        assert out.tokens == expected
+        assert (replays[0] > before) == (not timed) or out.stats.capture_time > 0
+    assert runner._rounds.graphs.rounds
+
+
+@pytest.mark.parametrize(
+    "method, budget, batch", [("ddtree", 8, 2), ("autoregressive", None, 2), ("ddtree", 8, 17)]
+)
+def test_fixed_budget_and_autoregressive_rounds_replay_as_one_graph(method, budget, batch, monkeypatch):
+    """Plain DDTree's and autoregressive decoding's untimed calls replay their rounds as one graph each
+    and commit plain greedy decoding's tokens; above ROUND_GRAPH_MAX_BATCH requests (17) rounds replay
+    stage by stage (no round graph)."""
+    from kdtree_engine.engine import Runner, loop
+
+    assert loop.ROUND_GRAPH_MAX_BATCH == 16
+    replays = _counting_round_graphs(monkeypatch)
+    target, drafter = _models(torch.float32, seed=2)
+    prompts = random_prompts(batch, [7] * batch, target.config.vocab_size)
+    config = GenerationConfig(max_new_tokens=30, method=method, budget=budget)
+    runner = Runner(target, drafter if budget else None, config, batch_size=batch, prompt_len=7)
+    outs = [runner.generate(prompts, stage_timing=False) for _ in range(2)]
+    assert outs[0].tokens == outs[1].tokens == greedy_generate(target, prompts, 30)
+    assert (replays[0] > 0) == (batch <= 16)
+
+
 @pytest.mark.parametrize("budget", [8, "auto"])
 def test_a_runner_replays_its_prefill_graphs(budget, monkeypatch):
     """A Runner's prefill is captured per padded width after its first prefill and replayed with each
