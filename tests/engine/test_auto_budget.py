@@ -198,17 +198,11 @@ class _RecordedGraphs:
     then, and replays that function (as a CUDA graph replays what it recorded, on the tensors it was
     captured with), the stage's own before its capture."""
 
-    def __init__(self, batch: int = 1) -> None:
+    def __init__(self) -> None:
         self.graphs: dict[str, object] = {}
 
     def missing(self, order) -> bool:
         return any(st.capturable and st.key not in self.graphs for st in order)
-
-    def round_missing(self, order) -> bool:  # no round graphs stood in for
-        return False
-
-    def round_graph(self, order) -> None:
-        return None
 
     def capture(self, stages, order) -> None:
         for st in order:

@@ -50,7 +50,7 @@ from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
 from kdtree_engine.engine.prefill import PrefillGraphs, prefill_forward, prefill_width
 from kdtree_engine.engine.requests import OnTokens, Requests
-from kdtree_engine.engine.stages import PROMPT_STAGE, Run, Stage, Stages, State, chain_tree, pick_token
+from kdtree_engine.engine.stages import Run, Stage, Stages, State, chain_tree, pick_token
 from kdtree_engine.engine.stats import GenerationStats, StageTimer
 from kdtree_engine.engine.text import StopStringMatcher
 from kdtree_engine.impl import resolve_impl
@@ -120,43 +120,17 @@ def _prefill(run: Run, prompts: list[list[int]], state: State | None = None,
     return state
 
 
-ROUND_GRAPH_MAX_BATCH = 16  # the most requests whose rounds get a round graph (_Graphs)
-
-
 class _Graphs:
     """CUDA graphs of the capturable stages of a Stages (one memory pool), each captured once, keyed by
     the stage's key, after one eager run of it (which compiles the kernels and gives the drafter context
-    its per-round shape); a bucket of the auto budget is captured after its first round. An order of
-    stages that are all capturable also gets one graph of the whole round, captured with its stages
-    (`round_graph`): a round replayed without stage timers is then one launch instead of one per stage
-    (each costs the host 10-20 us, and the host's time per round bounds the auto budget's rounds at
-    small batch: docs/engine.md). The round graph writes the stages' outputs that persist across rounds
-    (the state's, and those a stage copies into) where the stage graphs do; the outputs a stage makes
-    afresh (its tree, its verify's logits) are the round graph's own, kept alive with it
-    (Stages.outputs), and the stages keep pointing at the stage graphs'. That doubles those outputs'
-    memory (a verify's logits are batch x nodes x vocabulary), so round graphs are made only up to
-    ROUND_GRAPH_MAX_BATCH requests, where rounds are short enough for the host to bound them."""
+    its per-round shape); a bucket of the auto budget is captured after its first round."""
 
-    def __init__(self, batch: int) -> None:
-        self.whole_rounds = batch <= ROUND_GRAPH_MAX_BATCH
+    def __init__(self) -> None:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        self.rounds: dict[tuple[str, ...], torch.cuda.CUDAGraph] = {}
-        self.kept: list[object] = []  # the round graphs' own outputs
         self.pool = torch.cuda.graph_pool_handle()
 
     def missing(self, order: list[Stage]) -> bool:
-        """Whether a capturable stage of `order` has no graph yet."""
         return any(st.capturable and st.key not in self.graphs for st in order)
-
-    def round_missing(self, order: list[Stage]) -> bool:
-        """Whether `order` (every stage capturable) has no round graph yet, where rounds get one."""
-        return self._wants_round(order) and _round_key(order) not in self.rounds
-
-    def _wants_round(self, order: list[Stage]) -> bool:
-        """Round graphs up to ROUND_GRAPH_MAX_BATCH requests, for orders of capturable stages that rounds
-        repeat: not a call's first round on its prompts' features (once a call, and any bucket)."""
-        steady = not order[0].key.startswith(PROMPT_STAGE)
-        return self.whole_rounds and steady and all(st.capturable for st in order)
 
     def capture(self, stages: Stages, order: list[Stage]) -> None:
         for st in order:
@@ -166,28 +140,10 @@ class _Graphs:
                     st.fn()
                 self.graphs[st.key] = graph
         stages.frozen = True
-        key = _round_key(order)
-        if key not in self.rounds and self._wants_round(order):
-            theirs = stages.outputs()  # the stage graphs' outputs
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                for st in order:
-                    st.fn()
-            self.rounds[key] = graph
-            self.kept.append(stages.outputs())
-            stages.restore(theirs)
-
-    def round_graph(self, order: list[Stage]) -> torch.cuda.CUDAGraph | None:
-        """The graph of the whole round `order`, if captured."""
-        return self.rounds.get(_round_key(order))
 
     def run(self, stage: Stage) -> None:
         graph = self.graphs.get(stage.key)
         graph.replay() if graph is not None else stage.fn()
-
-
-def _round_key(order: list[Stage]) -> tuple[str, ...]:
-    return tuple(st.key for st in order)
 
 
 def _check_row_invariant(run: Run, device: torch.device) -> None:
@@ -387,10 +343,7 @@ class _Rounds:
             self.last_read = None
         entry = _InFlight(bucket, order, steady)
         t0 = time.perf_counter()
-        whole = self.graphs.round_graph(order) if captured and not self.run.timer.enabled else None
-        if whole is not None:  # one replay for the round (no stage timers to record between stages)
-            whole.replay()
-        for st in order if whole is None else ():
+        for st in order:
             with self.run.timer.stage(st.name):
                 replay = self.graphs is not None and not (prompts and st.key == "draft")
                 self.graphs.run(st) if replay else st.fn()
@@ -441,13 +394,13 @@ class _Rounds:
         return time.perf_counter() - self.last_read
 
     def uncaptured(self, order: list[Stage]) -> bool:
-        """Whether a capturable stage of `order` has no graph yet, or the round none."""
-        return self.graphs is None or self.graphs.missing(order) or self.graphs.round_missing(order)
+        """Whether a capturable stage of `order` has no graph yet."""
+        return self.graphs is None or self.graphs.missing(order)
 
     def capture(self, order: list[Stage]) -> None:
         """Captures the stages of a round's `order` not captured yet (after their first, eager, round)."""
         if self.graphs is None:
-            self.graphs = _Graphs(self.state.start.shape[0])
+            self.graphs = _Graphs()
         self.graphs.capture(self.stages, order)
         self.last_read = None  # the next read's interval holds the capture
 
@@ -478,9 +431,8 @@ class _Rounds:
         past a call's end do), and the drafter's pending context rows are held back meanwhile."""
         pending = self.state.ctx_lens.clone()
         self.state.ctx_lens.zero_()  # the drafter's cache gains no rows
-        if self.graphs is None or self.graphs.missing(order):  # else only its round graph is missing
-            for st in order:
-                st.fn()
+        for st in order:
+            st.fn()
         self.capture(order)
         self.state.ctx_lens.copy_(pending)
 

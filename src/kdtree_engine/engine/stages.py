@@ -149,9 +149,6 @@ def pick_token(run: Run, logits: torch.Tensor) -> torch.Tensor:
     return accept_round(run, root_tree(logits.shape[0], logits.device), logits[:, None]).bonus
 
 
-PROMPT_STAGE = "draft@prompts"  # the key of a call's first draft on a prefill graph's features, + its width
-
-
 class Stage(NamedTuple):
     """One stage of a round: `name` its timer's (engine.stats.STAGES), `key` its graph's (a stage of one
     bucket of the auto budget: "verify@8"), whether it can be captured."""
@@ -242,22 +239,6 @@ class Stages:
         self.draw.add_(1)
         return acc
 
-    def outputs(self) -> tuple[dict, dict, dict, dict]:
-        """The outputs stages make afresh each time they run (not copied into when frozen): the trees,
-        their top-k and verify inputs per bucket, and the verify forwards' outputs; restore() puts them
-        back (engine.loop._Graphs: a round graph captured after the stage graphs makes its own)."""
-        forwards = {k: v for k, v in vars(self).items() if k.startswith("out_")}
-        return dict(self.trees), dict(self.topk), dict(self.inputs), forwards
-
-    def restore(self, outputs: tuple[dict, dict, dict, dict]) -> None:
-        """Points the stages at `outputs` (from outputs()) again."""
-        trees, topk, inputs, forwards = outputs
-        for mine, theirs in ((self.trees, trees), (self.topk, topk), (self.inputs, inputs)):
-            mine.clear()
-            mine.update(theirs)
-        for name, value in forwards.items():
-            setattr(self, name, value)
-
     def _put(self, name: str, value: torch.Tensor) -> None:
         old = getattr(self, name, None)
         if self.frozen and old is not None:
@@ -284,7 +265,7 @@ class Stages:
         stage = self.prompt_stages.get(ctx.shape[1])
         if stage is None or stage.fn.args[0] is not ctx:
             fn = functools.partial(self.draft_from, ctx)
-            stage = Stage("draft", fn, self.drafter_capturable, f"{PROMPT_STAGE}{ctx.shape[1]}")
+            stage = Stage("draft", fn, self.drafter_capturable, f"draft@prompts{ctx.shape[1]}")
             self.prompt_stages[ctx.shape[1]] = stage
         return stage
 
