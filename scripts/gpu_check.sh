@@ -38,6 +38,7 @@
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
 # "traces" records kimi-nano's bf16 acceptance on the GPU for the policy simulator, then the nano grid (issue 28).
+# "grid-host" the host's time per round inside the grid (scripts/probe_grid_host.py, issue 28).
 # "auto" runs the auto budget's grid on kimi-nano (issue 28), auto call by call (scripts/auto_calls.py) and the host's steps per round with the timed call's timeline; "auto-same-text" its greedy grid in the row-invariant mode (every row on AR's text); "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
@@ -180,6 +181,15 @@ if [ "$what" = auto ]; then
     --temperature ${HOST_TEMP:-0} --timeline 2>&1 \
     | tee "$R/round_host_time.log" || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = grid-host ]; then
+  # issue 28: the host's time per round inside bench e2e's grid itself (scripts/probe_grid_host.py), greedy,
+  # batch 1 and 4 (GRID_BATCH), rows AR, DFlash, budget 32 and auto: is auto's round bound by the host?
+  for b in ${GRID_BATCH:-1 4}; do
+    timeout "${T_GRID:-100}" python3 scripts/probe_grid_host.py --batch "$b" --budgets 32 2>&1 \
+      | tee -a "$R/grid_host.log" | tail -9 || status=1
+  done
   exit $status
 fi
 if [ "$what" = auto-same-text ]; then
