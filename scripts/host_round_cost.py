@@ -23,7 +23,7 @@ import torch
 
 from kdtree_engine.bench.plot import markdown_table
 from kdtree_engine.engine import loop
-from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, REFRESH_ROUNDS, BudgetPolicy
 from kdtree_engine.engine.budget_estimates import MIN_COST_ROUNDS
 from kdtree_engine.engine.requests import Requests
 from kdtree_engine.engine.stats import GenerationStats
@@ -41,7 +41,7 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: in
     committed = torch.zeros(batch, 1 + slots + sums, dtype=torch.int64)
     state = SimpleNamespace(committed=committed, active=torch.ones(batch, dtype=torch.bool))
     stats = GenerationStats(method="ddtree", batch_size=batch)
-    policy = BudgetPolicy(AUTO_BUCKETS, slots) if auto else None
+    policy = BudgetPolicy(AUTO_BUCKETS, slots, refresh_rounds=REFRESH_ROUNDS) if auto else None
     if policy is not None:
         for k in AUTO_BUCKETS:
             for _ in range(MIN_COST_ROUNDS):

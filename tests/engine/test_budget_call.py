@@ -347,3 +347,42 @@ def test_a_call_is_not_given_to_steps_while_a_tree_was_never_built(batch):
     told = np.tile([1.0, 1.1, 1.2, 1.2, 1.3, 1.3], (batch, 1))
     policy.observe(64, None, rows, [1.3] * batch, np.tile([0.0, 1.0, 2.0, 2.2, 2.4, 2.5], (batch, 1)), told)
     assert policy.pick(active, must_draft=False, remaining=left) == 0 and policy.stepping
+
+
+def _round_of_8(policy: BudgetPolicy, batch: int, accepted: float, seconds: float) -> None:
+    """One bucket-8 round read (picked first), its 4-node tree told too."""
+    policy.pick([True] * batch, must_draft=True)
+    sums = np.tile([np.nan, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
+    would = np.tile([1.0, 1 + accepted / 2, 1 + accepted] + [np.nan] * 3, (batch, 1))
+    policy.observe(8, seconds, list(range(batch)), np.full(batch, 1 + accepted), sums, would)
+
+
+def test_estimates_refresh_every_k_rounds_read_and_at_a_buckets_first_of_its_kind():
+    """refresh_rounds = 3: the fit and the cost table the choice weighs stay as they were between refreshes
+    and take every round read in at the third; a bucket's first pairs (and the round that first gives a
+    bucket its median price) refresh at once. With refresh_rounds = 1 every round does."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    held = BudgetPolicy(AUTO_BUCKETS, depth=64, refresh_rounds=3)
+    _measured(held, costs)
+    held.calibration.observe_drafts(np.tile([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], (2, 1)))
+    _round_of_8(held, 2, accepted=2.0, seconds=4.0)  # bucket 8's (and 4's) first pairs: at once
+    fit, prices = held.calibration.expected_coefficients(), held.costs.estimates()
+    assert fit[0][2] > 1.0  # fitted from the round (1 + its mean accepted, shrunk): no pairs gives 1
+    _round_of_8(held, 2, accepted=5.0, seconds=4.0)  # more accepted, dearer: still the first's estimates
+    assert held.calibration.expected_coefficients() is fit and held.costs.estimates() is prices
+    _round_of_8(held, 2, accepted=5.0, seconds=4.0)  # the third round read: all three taken in
+    assert held.calibration.expected_coefficients()[0][2] > fit[0][2]
+    assert prices[1][2] == 2.0 and held.costs.estimates()[1][2] == 3.0  # the median of 2, 2, 2, 4, 4, 4
+    every = BudgetPolicy(AUTO_BUCKETS, depth=64)
+    _measured(every, costs)
+    every.calibration.observe_drafts(np.tile([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], (2, 1)))
+    _round_of_8(every, 2, accepted=2.0, seconds=2.0)
+    fit = every.calibration.expected_coefficients()
+    _round_of_8(every, 2, accepted=5.0, seconds=4.0)
+    assert every.calibration.expected_coefficients() is not fit
+    new = BudgetPolicy(AUTO_BUCKETS, depth=64, refresh_rounds=3)
+    new.costs.observe(8, 2.0)
+    new.costs.observe(8, 2.0)
+    assert new.costs.estimate(8) == 0.0  # not measured MIN_COST_ROUNDS times yet
+    new.costs.observe(8, 2.0)  # its third: priced at once
+    assert new.costs.estimate(8) == 2.0

@@ -26,7 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kdtree_engine.engine.budget import AUTO_BUCKETS, STEP_ROUNDS, BudgetPolicy, auto_buckets, chain_bucket
+from kdtree_engine.engine.budget import (
+    AUTO_BUCKETS,
+    REFRESH_ROUNDS,
+    STEP_ROUNDS,
+    BudgetPolicy,
+    auto_buckets,
+    chain_bucket,
+)
 
 BLOCK = 16  # the drafter's block, L + 1
 DEPTH = {4: 3, 8: 4, 16: 6, 32: 8, 64: 10}  # the deepest node of a tree of n nodes (best-first)
@@ -397,7 +404,7 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -
         rates["autoregressive" if k == 0 else f"bucket {k}"] = seeds * total / t
     t, picks = 0.0, []
     for s in range(seeds):
-        policy = BudgetPolicy(sc.buckets, STEP_ROUNDS * BLOCK)
+        policy = BudgetPolicy(sc.buckets, STEP_ROUNDS * BLOCK, refresh_rounds=REFRESH_ROUNDS)
         for c in range(calls):
             policy.new_call(copies(sc, s % groups))
             out = run_call(sc, 1000 * s + c, None, policy, static, group=s % groups)

@@ -110,6 +110,17 @@ kimi-nano's drafter and the scaled-down Kimi's stand-in are in docs/engine.md.
 Identical greedy requests. Greedy requests with the same prompt and limit commit the same tokens every
 round, so the static call's tail counts them once (`new_call(copies=...)`): a batch of 64 that repeats
 8 prompts ends with its slowest prompt, not with the slowest of 64 independent draws.
+
+The host's time. The policy's pick and observe are host work every round, and at small batch a round
+of kimi-nano's is short enough that the host bounds it (docs/engine.md, "Where it stands"). Most of
+that work recomputes what every round read changes a little: the fit, the long run and its bounds,
+the levels of S, the cost table's prices. With `refresh_rounds` = k those are recomputed every k
+rounds read (the engine's: REFRESH_ROUNDS), from every round read: between refreshes the choice weighs
+estimates up to k - 1 rounds old, while each request's own S is always its last draft's. A round that
+changes what kind of estimate a bucket gets (its first pairs, draft or prediction; its third measured
+round, which gives it a median price) refreshes at once. In the simulator, auto over the best at
+k = 1, 2, 4 and 8 differs by no more than the spread between seeds (docs/engine.md); k = 1, the
+default, is what the policy's tests check.
 """
 
 from __future__ import annotations
@@ -132,6 +143,7 @@ STEP_ROUNDS = 4  # the drafter's context holds a round's rows and this many roun
 STALE_DECAY = 0.5  # per autoregressive round, how much of a request's last S survives
 CHAIN_MIN_RATIO = 1.5  # the chain's accepted over predicted drafted tokens below which it is out
 STEADY_STEP_MARGIN = 0.9  # steps in a row price the call's steps once below this share of the table's
+REFRESH_ROUNDS = 4  # the engine's BudgetPolicy.refresh_rounds (the module docstring, "The host's time")
 PROBE_STEPS = 8  # the static call's test's steps in a row (one request, not given to steps) before a tree
 
 
@@ -247,9 +259,16 @@ class BudgetPolicy:
     observed: dict[int, float] = field(default_factory=dict)  # sum of committed tokens per bucket
     requests: dict[int, int] = field(default_factory=dict)  # (request, round) pairs per bucket
     last_pick: _Choice | None = None  # the choice of the round last read
+    # rounds read between refreshes of the estimates the choice weighs (the fit, the long run, the
+    # levels, the cost table): 1 refreshes after every round; more saves the host their recomputation
+    # on the rounds between (module docstring, "The host's time"); a bucket's first pairs, draft or
+    # median refresh at once
+    refresh_rounds: int = 1
+    _unrefreshed: int = field(init=False, default=0)  # rounds read since the last refresh
 
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
+        self.calibration.held = self.refresh_rounds > 1
         self.paces = Paces()
         self._drafting = [j for j, k in enumerate(self.buckets) if k > 0]  # the buckets that draft
         self._trees = np.array([k > 0 for k in self.buckets])  # the same, as a mask
@@ -278,6 +297,7 @@ class BudgetPolicy:
         other_costs, other_steps = self._cost_tables[not stage_timed]
         for table, other in ((self.costs, other_costs), (self.step_costs, other_steps)):
             table.fallback = other
+            table.held = self.refresh_rounds > 1
             table.forget_estimates()
         self.copies = None if copies is None else np.asarray(copies, dtype=np.int64)
         if self.copies is not None and (self.copies == np.arange(self.copies.size)).all():
@@ -558,7 +578,9 @@ class BudgetPolicy:
                 self.step_costs.observe(0, seconds)
         self.last_read = bucket
         self.chosen[bucket] = self.chosen.get(bucket, 0) + 1
+        self._unrefreshed += 1
         if sums is None:
+            self._refresh_when_due()
             return
         j, cal = self.buckets.index(bucket), self.calibration
         rows = np.asarray(rows, dtype=np.int64)
@@ -588,6 +610,15 @@ class BudgetPolicy:
         self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
         self._rows(int(rows.max()) + 1 if rows.size else 0)
         self.sums[rows], self.age[rows] = own, 0
+        self._refresh_when_due()
+
+    def _refresh_when_due(self) -> None:
+        """Every refresh_rounds rounds read, the estimates the choice weighs recomputed from all of them."""
+        if self._unrefreshed >= self.refresh_rounds:
+            self._unrefreshed = 0
+            self.calibration.refresh()
+            self.costs.refresh()
+            self.step_costs.refresh()
 
     def _observe_smaller(self, j: int, choice: _Choice, would: np.ndarray, own: np.ndarray,
                          coefficients: Pair) -> None:  # fmt: skip

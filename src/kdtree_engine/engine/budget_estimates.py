@@ -58,6 +58,24 @@ class Calibration:
         self._nearest: tuple[list[bool], list[int]] | None = None  # (buckets tried, the one each borrows)
         self._bonus: tuple[object, np.ndarray] | None = None  # (the long run it was computed from, bonus())
         self._sizes = np.asarray(self.buckets, dtype=np.float64)
+        # held (BudgetPolicy.refresh_rounds > 1): an observation keeps the kept results until refresh(),
+        # unless it changes what kind of estimate a bucket gets (its first pairs, draft or prediction)
+        self.held, self._stale = False, False
+
+    def _observed(self, first: bool) -> None:
+        """After an observation: the kept results dropped now (`first`: a bucket's first of its kind,
+        or not held), or at the next refresh()."""
+        if self.held and not first:
+            self._stale = True
+        else:
+            self._coefficients = self._long_run = self._levels = None
+            self._stale = False
+
+    def refresh(self) -> None:
+        """Drops the kept results if an observation came since they were computed."""
+        if self._stale:
+            self._coefficients = self._long_run = self._levels = None
+            self._stale = False
 
     def own_ratio(self, j: int) -> float | None:
         """r_n of bucket index j from its own rounds only (accepted drafted tokens over what their S
@@ -68,17 +86,20 @@ class Calibration:
     def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
         """One round of bucket index j: per running request, the drafted tokens it accepted
         (committed - 1) and the sum S the round's draft predicted for it."""
+        first = not self.predicted[j] > 0
         self.accepted[j] += float(accepted.sum())
         self.predicted[j] += float(predicted.sum())
-        self._coefficients = self._long_run = None
+        self._observed(first)
 
     def observe_drafts(self, sums: np.ndarray) -> None:
         """The S at every bucket of each request of a draft read ([requests, buckets]; NaN at the
         buckets larger than the one built): the levels."""
         known = ~np.isnan(sums)
+        built = known.sum(axis=0)
+        first = bool(((self.drafts == 0) & (built > 0)).any())
         self.level_sums += np.where(known, sums, 0.0).sum(axis=0)
-        self.drafts += known.sum(axis=0)
-        self._coefficients = self._levels = self._long_run = None
+        self.drafts += built
+        self._observed(first)
 
     def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray,
                         expected: np.ndarray | None = None) -> None:  # fmt: skip
@@ -88,13 +109,14 @@ class Calibration:
         if expected is None:
             a, b = self.expected_coefficients()
             expected = np.maximum(1.0, a[j] + b[j] * seen)
+        first = self.n[j] == 0
         self.n[j] += seen.size
         self.sx[j] += seen.sum()
         self.sy[j] += accepted.sum()
         self.sxx[j] += (seen * seen).sum()
         self.sxy[j] += (seen * accepted).sum()
         self.misses[j] += ((accepted + 1.0 - expected) ** 2).sum()
-        self._coefficients = self._long_run = None
+        self._observed(bool(first))
 
     def observe_nested(self, columns: np.ndarray, seen: np.ndarray, accepted: np.ndarray,
                        predicted: np.ndarray, coefficients: Pair) -> None:  # fmt: skip
@@ -106,8 +128,9 @@ class Calibration:
         miss = accepted + 1.0 - np.maximum(1.0, a[columns] + b[columns] * seen)
         terms = np.stack([seen, accepted, seen * seen, seen * accepted, miss * miss, predicted]).sum(axis=1)
         pairs = np.full(columns.size, float(seen.shape[0]))  # a row of ones summed: the request count
+        first = bool(((self.n[columns] == 0) | ~(self.predicted[columns] > 0)).any())
         self.sums[:, columns] += np.stack([pairs, *terms[:5], terms[1], terms[5]])
-        self._coefficients = self._long_run = None
+        self._observed(first)
 
     def ratio(self, j: int) -> float:
         """r_n of bucket index j: accepted / predicted of this bucket, else of the nearest bucket with
@@ -259,6 +282,8 @@ class CostTable:
     _all: tuple[np.ndarray, list[float], bool] | None = None  # estimates(), until the next observation
     _own: dict[int, float] = field(default_factory=dict)  # own() per bucket, until it is observed
     _shift_kept: float | None = None  # _shift(), until the next observation here or a new call
+    held: bool = False  # (BudgetPolicy.refresh_rounds > 1) estimates kept until refresh(), as Calibration's
+    _stale: bool = False
 
     def observe(self, bucket: int, seconds: float) -> None:
         times = self.times.get(bucket)
@@ -266,13 +291,22 @@ class CostTable:
             times = self.times[bucket] = deque(maxlen=COST_WINDOW)
         times.append(float(seconds))
         self._own.pop(bucket, None)
-        self.forget_estimates()
+        if self.held and len(times) != MIN_COST_ROUNDS:  # not the round that first gives it a median
+            self._stale = True
+        else:
+            self.forget_estimates()
+
+    def refresh(self) -> None:
+        """Drops the cached estimates if a round was observed since they were computed."""
+        if self._stale:
+            self.forget_estimates()
 
     def forget_estimates(self) -> None:
         """Drops the cached estimates (after an observation, here or in the fallback)."""
         self._estimates.clear()
         self._all = None
         self._shift_kept = None
+        self._stale = False
 
     def measured(self, bucket: int) -> float | None:
         t = self.times.get(bucket)

@@ -45,7 +45,7 @@ import torch
 
 from kdtree_engine.engine import checks
 from kdtree_engine.engine import stages as round_stages  # its use_graphs by attribute: tests stand it in
-from kdtree_engine.engine.budget import STEP_ROUNDS, BudgetPolicy
+from kdtree_engine.engine.budget import REFRESH_ROUNDS, STEP_ROUNDS, BudgetPolicy
 from kdtree_engine.engine.config import METHODS, GenerationConfig
 from kdtree_engine.engine.memory import call_sizes
 from kdtree_engine.engine.prefill import PrefillGraphs, prefill_forward, prefill_width
@@ -273,7 +273,8 @@ class _Rounds:
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
         depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
-        self.policy = BudgetPolicy(self.stages.buckets, depth) if auto else None
+        policy = BudgetPolicy(self.stages.buckets, depth, refresh_rounds=REFRESH_ROUNDS) if auto else None
+        self.policy = policy
         if self.policy is not None:
             self.policy.new_call(run.copies, run.timer.enabled)
 
