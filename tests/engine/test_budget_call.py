@@ -79,17 +79,22 @@ def _policy_after_a_round(costs: dict[int, float], batch: int, accepted: float, 
     bucket 4 half as many on the same drafts."""
     policy = BudgetPolicy(AUTO_BUCKETS, depth=64)
     _measured(policy, costs)
-    rows = list(range(batch))
     # an earlier draft built every bucket, the larger trees at S 0 (estimated as if never built: E 1);
     # a call is given to steps only once every tree has been built (BudgetPolicy._unbuilt)
     policy.calibration.observe_drafts(np.tile([0.0, 1.0, 2.0, 0.0, 0.0, 0.0], (batch, 1)))
-    sums = np.tile([0.0, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
     for r in range(rounds):
-        policy.pick([True] * batch, must_draft=True)
-        got = accepted + spread * np.where((np.arange(batch) + r) % 2 == 0, 1.0, -1.0)
-        would = np.stack([np.ones(batch), 1 + got / 2, 1 + got] + [np.full(batch, np.nan)] * 3, axis=1)
-        policy.observe(8, None, rows, 1 + got, sums, would)
+        _round_of_8(policy, accepted + spread * np.where((np.arange(batch) + r) % 2 == 0, 1.0, -1.0))
     return policy
+
+
+def _round_of_8(policy: BudgetPolicy, got: np.ndarray, seconds: float | None = None) -> None:
+    """One bucket-8 round read (picked first) of len(got) requests, each accepting its `got` drafted
+    tokens, bucket 4 half as many on the same draft."""
+    batch = got.size
+    policy.pick([True] * batch, must_draft=True)
+    sums = np.tile([0.0, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
+    would = np.stack([np.ones(batch), 1 + got / 2, 1 + got] + [np.full(batch, np.nan)] * 3, axis=1)
+    policy.observe(8, seconds, list(range(batch)), 1 + got, sums, would)
 
 
 def test_a_static_call_steps_when_steps_end_it_soonest():
@@ -349,14 +354,6 @@ def test_a_call_is_not_given_to_steps_while_a_tree_was_never_built(batch):
     assert policy.pick(active, must_draft=False, remaining=left) == 0 and policy.stepping
 
 
-def _round_of_8(policy: BudgetPolicy, batch: int, accepted: float, seconds: float) -> None:
-    """One bucket-8 round read (picked first), its 4-node tree told too."""
-    policy.pick([True] * batch, must_draft=True)
-    sums = np.tile([np.nan, 1.0, 2.0, np.nan, np.nan, np.nan], (batch, 1))
-    would = np.tile([1.0, 1 + accepted / 2, 1 + accepted] + [np.nan] * 3, (batch, 1))
-    policy.observe(8, seconds, list(range(batch)), np.full(batch, 1 + accepted), sums, would)
-
-
 def test_estimates_refresh_every_k_rounds_read_and_at_a_buckets_first_of_its_kind():
     """refresh_rounds = 3: the fit and the cost table the choice weighs stay as they were between refreshes
     and take every round read in at the third; a bucket's first pairs (and the round that first gives a
@@ -365,20 +362,20 @@ def test_estimates_refresh_every_k_rounds_read_and_at_a_buckets_first_of_its_kin
     held = BudgetPolicy(AUTO_BUCKETS, depth=64, refresh_rounds=3)
     _measured(held, costs)
     held.calibration.observe_drafts(np.tile([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], (2, 1)))
-    _round_of_8(held, 2, accepted=2.0, seconds=4.0)  # bucket 8's (and 4's) first pairs: at once
+    _round_of_8(held, np.full(2, 2.0), 4.0)  # bucket 8's (and 4's) first pairs: at once
     fit, prices = held.calibration.expected_coefficients(), held.costs.estimates()
     assert fit[0][2] > 1.0  # fitted from the round (1 + its mean accepted, shrunk): no pairs gives 1
-    _round_of_8(held, 2, accepted=5.0, seconds=4.0)  # more accepted, dearer: still the first's estimates
+    _round_of_8(held, np.full(2, 5.0), 4.0)  # more accepted, dearer: still the first's estimates
     assert held.calibration.expected_coefficients() is fit and held.costs.estimates() is prices
-    _round_of_8(held, 2, accepted=5.0, seconds=4.0)  # the third round read: all three taken in
+    _round_of_8(held, np.full(2, 5.0), 4.0)  # the third round read: all three taken in
     assert held.calibration.expected_coefficients()[0][2] > fit[0][2]
     assert prices[1][2] == 2.0 and held.costs.estimates()[1][2] == 3.0  # the median of 2, 2, 2, 4, 4, 4
     every = BudgetPolicy(AUTO_BUCKETS, depth=64)
     _measured(every, costs)
     every.calibration.observe_drafts(np.tile([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], (2, 1)))
-    _round_of_8(every, 2, accepted=2.0, seconds=2.0)
+    _round_of_8(every, np.full(2, 2.0), 2.0)
     fit = every.calibration.expected_coefficients()
-    _round_of_8(every, 2, accepted=5.0, seconds=4.0)
+    _round_of_8(every, np.full(2, 5.0), 4.0)
     assert every.calibration.expected_coefficients() is not fit
     new = BudgetPolicy(AUTO_BUCKETS, depth=64, refresh_rounds=3)
     new.costs.observe(8, 2.0)

@@ -65,11 +65,9 @@ class Calibration:
     def _observed(self, first: bool) -> None:
         """After an observation: the kept results dropped now (`first`: a bucket's first of its kind,
         or not held), or at the next refresh()."""
-        if self.held and not first:
-            self._stale = True
-        else:
-            self._coefficients = self._long_run = self._levels = None
-            self._stale = False
+        self._stale = True
+        if first or not self.held:
+            self.refresh()
 
     def refresh(self) -> None:
         """Drops the kept results if an observation came since they were computed."""
@@ -291,10 +289,9 @@ class CostTable:
             times = self.times[bucket] = deque(maxlen=COST_WINDOW)
         times.append(float(seconds))
         self._own.pop(bucket, None)
-        if self.held and len(times) != MIN_COST_ROUNDS:  # not the round that first gives it a median
-            self._stale = True
-        else:
-            self.forget_estimates()
+        self._stale = True
+        if not self.held or len(times) == MIN_COST_ROUNDS:  # unheld, or the round that first gives a median
+            self.refresh()
 
     def refresh(self) -> None:
         """Drops the cached estimates if a round was observed since they were computed."""

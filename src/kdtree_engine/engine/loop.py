@@ -273,8 +273,9 @@ class _Rounds:
         self.enqueued: set[int] = set()  # buckets enqueued at least once (compiled)
         depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
-        policy = BudgetPolicy(self.stages.buckets, depth, refresh_rounds=REFRESH_ROUNDS) if auto else None
-        self.policy = policy
+        self.policy = (
+            BudgetPolicy(self.stages.buckets, depth, refresh_rounds=REFRESH_ROUNDS) if auto else None
+        )
         if self.policy is not None:
             self.policy.new_call(run.copies, run.timer.enabled)
 
