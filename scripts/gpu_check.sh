@@ -32,6 +32,8 @@
 # "ncu-flashmla" profiles our attention and FlashMLA with ncu at the same causal point (64-row pages; h = 8
 # decode and h = 64, t = 9 at 32k, batch 16; NCU_POINTS "b,t,h,s ..."), then the Hopper kernel at issue 31's
 # h = 8, t = 17 miss (NCU_MISS= empty skips it); carry .whl.
+# "hopper-ab" runs the attention tests, then bench attention on the Hopper kernel's code against out/base/src
+# (an earlier copy) on the same machine (issues 29 and 31).
 # "tree-bound" runs the attention kernels' GPU tests and the SGLang backend's against SGLang's extend kernel,
 # then both targets' bench at batch 1, budget 32 (with out/base/src, an earlier copy, first: the baseline).
 # "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
@@ -101,6 +103,28 @@ if [ "$what" = kimi ]; then
     || status=1
   timeout "${T_KIMI:-400}" python3 -m kdtree_engine bench kimi --sections layer drafter tree --out "$R/kimi" 2>&1 \
     | tee "$R/bench_kimi.log" | tail -80 || status=1
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = hopper-ab ]; then
+  # a change to the Hopper attention kernel against the code before it (out/base/src: `git archive <base> src
+  # | tar x -C out/base`, assets removed; carry out/base and .whl): the attention tests on the new code, then
+  # bench attention on both, the issue 29 points on 64-row pages (with FlashMLA where its wheel is carried)
+  # and issue 31's h = 8 points on pages of one row
+  if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
+    pip install -q --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  timeout "${T_KT:-200}" python3 -m pytest -q tests/kernels/test_mla_attention.py -p no:cacheprovider "${xdist[@]}" \
+    -rs 2>&1 | tee "$R/attention_tests.log" | tail -8 || status=1
+  for side in base new; do
+    src=src; [ "$side" = base ] && src=out/base/src
+    PYTHONPATH=$src:/tmp/site timeout "${T_AB:-100}" python3 -m kdtree_engine bench attention --no-naive --rep 30 \
+      --page-size 64 --heads ${AB_HEADS:-8 64} --tokens ${AB_TOKENS:-1 9 17 33} --seqlens ${AB_SEQ:-4096 32768} \
+      --batch 16 --out "$R/ab64_$side" 2>&1 | tail -30 > "$R/ab64_$side.log" || status=1
+    PYTHONPATH=$src timeout "${T_AB:-100}" python3 -m kdtree_engine bench attention --no-naive --no-flashmla --rep 30 \
+      --page-size 1 --heads 8 --tokens 9 17 33 --seqlens 1024 4096 8192 --batch 16 --out "$R/ab1_$side" 2>&1 \
+      | tail -30 > "$R/ab1_$side.log" || status=1
+  done
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
