@@ -383,3 +383,54 @@ def test_estimates_refresh_every_k_rounds_read_and_at_a_buckets_first_of_its_kin
     assert new.costs.estimate(8) == 0.0  # not measured MIN_COST_ROUNDS times yet
     new.costs.observe(8, 2.0)  # its third: priced at once
     assert new.costs.estimate(8) == 2.0
+
+
+def test_held_rounds_wait_for_the_refresh_and_add_up_to_the_same_sums():
+    """Held, a round whose pairs and drafts are no bucket's first waits and is added to the sums at the
+    next refresh (or before anything reads them), all waiting rounds in one pass: after the refresh the
+    sums, levels and fit equal those of a calibration that added every round at once. A bucket's first
+    pairs or draft is added at once, held or not."""
+    from kdtree_engine.engine.budget_estimates import Calibration
+
+    rng = np.random.default_rng(5)
+    held, every = Calibration(AUTO_BUCKETS), Calibration(AUTO_BUCKETS)
+    held.held = True
+    columns = np.array([1, 2])  # buckets 4 and 8: what a round of 16 tells of its smaller trees
+
+    def draft(rows):  # the S of a round of bucket 16 (NaN past it)
+        s = np.cumsum(rng.uniform(0.0, 1.5, (rows, 6)), axis=1)
+        s[:, 0], s[:, 4:] = 0.0, np.nan
+        return s
+
+    def round_of_16(cal, s, seen, accepted, would, fit):
+        cal.observe_choices(3, seen, accepted, np.maximum(1.0, seen))
+        cal.observe_nested(columns, np.tile(seen[:, None], 2), would, s[:, columns], fit)
+        cal.observe(3, accepted, s[:, 3])
+        cal.observe_drafts(s)
+
+    first = [draft(3), rng.uniform(0, 4, 3), rng.integers(0, 4, 3).astype(float), rng.uniform(0, 2, (3, 2))]
+    for cal in (held, every):
+        round_of_16(cal, *first, cal.expected_coefficients())
+    assert held.n[3] == every.n[3] == 3 and held.drafts[3] == every.drafts[3] == 3  # firsts: at once
+    fit = held.expected_coefficients()
+    for rows in (2, 4, 1):
+        s, seen = draft(rows), rng.uniform(0, 4, rows)
+        accepted, would = rng.integers(0, 4, rows).astype(float), rng.uniform(0, 2, (rows, 2))
+        round_of_16(held, s, seen, accepted, would, fit)
+        round_of_16(every, s, seen, accepted, would, fit)
+    assert held.n[3] == 3 and held.n[1] == 3 and held.drafts[3] == 3  # waiting
+    assert held.expected_coefficients() is fit  # kept until the refresh
+    held.refresh()
+    every.refresh()
+    assert held.sums == pytest.approx(every.sums, rel=1e-12)
+    assert held.level_sums == pytest.approx(every.level_sums, rel=1e-12)
+    assert (held.drafts == every.drafts).all()
+    for mine, theirs in zip(held.expected_coefficients(), every.expected_coefficients(), strict=True):
+        assert mine == pytest.approx(theirs, rel=1e-12)
+    assert held.long_run()[1] == pytest.approx(every.long_run()[1], rel=1e-12)
+    s, seen = draft(2), rng.uniform(0, 4, 2)
+    for cal in (held, every):
+        round_of_16(cal, s, seen, np.ones(2), np.ones((2, 2)), held.expected_coefficients())
+    assert held.n[3] == every.n[3] - 2  # waiting again
+    assert held.slopes() == pytest.approx(every.slopes(), rel=1e-12)  # a read of the sums takes it in
+    assert held.n[3] == every.n[3]

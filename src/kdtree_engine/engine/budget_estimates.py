@@ -61,6 +61,13 @@ class Calibration:
         # held (BudgetPolicy.refresh_rounds > 1): an observation keeps the kept results until refresh(),
         # unless it changes what kind of estimate a bucket gets (its first pairs, draft or prediction)
         self.held, self._stale = False, False
+        # held, the pairs and drafts of such observations wait here and are added to the sums at once,
+        # before anything reads the sums (_add_waiting): one numpy pass over several rounds where each
+        # round's own would cost as much (a handful of requests, the calls' fixed cost dominates)
+        self._waiting_pairs: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._waiting_nested: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+        self._nested_args: dict[tuple[int, int], tuple[np.ndarray, Pair]] = {}
+        self._waiting_drafts: list[np.ndarray] = []
 
     def _observed(self, first: bool) -> None:
         """After an observation: the kept results dropped now (`first`: a bucket's first of its kind,
@@ -70,10 +77,33 @@ class Calibration:
             self.refresh()
 
     def refresh(self) -> None:
-        """Drops the kept results if an observation came since they were computed."""
+        """Drops the kept results if an observation came since they were computed (its pairs and
+        drafts added to the sums first)."""
+        self._add_waiting()
         if self._stale:
             self._coefficients = self._long_run = self._levels = None
             self._stale = False
+
+    def _wait(self) -> bool:
+        """Whether an observation that is no bucket's first of its kind waits (held) rather than being
+        added to the sums now; it marks the kept results stale either way."""
+        self._stale = True
+        return self.held
+
+    def _add_waiting(self) -> None:
+        """The waiting pairs and drafts added to the sums, each bucket's (and each larger round's smaller
+        trees') in one pass."""
+        for j, rounds in self._waiting_pairs.items():
+            seen, accepted, expected = (np.concatenate(parts) for parts in zip(*rounds))
+            self._add_pairs(j, seen, accepted, expected)
+        for key, rounds in self._waiting_nested.items():
+            columns, coefficients = self._nested_args[key]
+            seen, accepted, predicted = (np.concatenate(parts) for parts in zip(*rounds))
+            self._add_nested(columns, seen, accepted, predicted, coefficients)
+        if self._waiting_drafts:
+            self._add_drafts(np.concatenate(self._waiting_drafts))
+        self._waiting_pairs, self._waiting_nested, self._nested_args = {}, {}, {}
+        self._waiting_drafts = []
 
     def own_ratio(self, j: int) -> float | None:
         """r_n of bucket index j from its own rounds only (accepted drafted tokens over what their S
@@ -92,12 +122,24 @@ class Calibration:
     def observe_drafts(self, sums: np.ndarray) -> None:
         """The S at every bucket of each request of a draft read ([requests, buckets]; NaN at the
         buckets larger than the one built): the levels."""
+        if self._undrafted_built(sums):
+            self._add_drafts(sums)
+            self._observed(True)
+        elif not self._wait():
+            self._add_drafts(sums)
+            self.refresh()
+        else:
+            self._waiting_drafts.append(sums)
+
+    def _undrafted_built(self, sums: np.ndarray) -> bool:
+        """Whether a draft's S ([requests, buckets]) holds a bucket no draft read before built."""
+        undrafted = self.drafts == 0
+        return bool(undrafted.any() and (undrafted & ~np.isnan(sums).all(axis=0)).any())
+
+    def _add_drafts(self, sums: np.ndarray) -> None:
         known = ~np.isnan(sums)
-        built = known.sum(axis=0)
-        first = bool(((self.drafts == 0) & (built > 0)).any())
         self.level_sums += np.where(known, sums, 0.0).sum(axis=0)
-        self.drafts += built
-        self._observed(first)
+        self.drafts += known.sum(axis=0)
 
     def observe_choices(self, j: int, seen: np.ndarray, accepted: np.ndarray,
                         expected: np.ndarray | None = None) -> None:  # fmt: skip
@@ -107,14 +149,18 @@ class Calibration:
         if expected is None:
             a, b = self.expected_coefficients()
             expected = np.maximum(1.0, a[j] + b[j] * seen)
-        first = self.n[j] == 0
-        self.n[j] += seen.size
-        self.sx[j] += seen.sum()
-        self.sy[j] += accepted.sum()
-        self.sxx[j] += (seen * seen).sum()
-        self.sxy[j] += (seen * accepted).sum()
-        self.misses[j] += ((accepted + 1.0 - expected) ** 2).sum()
-        self._observed(bool(first))
+        if self.n[j] == 0:  # the bucket's first pairs
+            self._add_pairs(j, seen, accepted, expected)
+            self._observed(True)
+        elif not self._wait():
+            self._add_pairs(j, seen, accepted, expected)
+            self.refresh()
+        else:
+            self._waiting_pairs.setdefault(j, []).append((seen, accepted, expected))
+
+    def _add_pairs(self, j: int, seen: np.ndarray, accepted: np.ndarray, expected: np.ndarray) -> None:
+        miss = accepted + 1.0 - expected
+        self.sums[:6, j] += (seen.size, seen.sum(), accepted.sum(), seen @ seen, seen @ accepted, miss @ miss)
 
     def observe_nested(self, columns: np.ndarray, seen: np.ndarray, accepted: np.ndarray,
                        predicted: np.ndarray, coefficients: Pair) -> None:  # fmt: skip
@@ -122,13 +168,24 @@ class Calibration:
         larger tree ([requests, columns] each: the S the choice saw, the drafted tokens each would have
         accepted, its own S of this draft); the misses against `coefficients`, the fit (a, b) as it
         stood before the round."""
+        if bool(((self.n[columns] == 0) | ~(self.predicted[columns] > 0)).any()):
+            self._add_nested(columns, seen, accepted, predicted, coefficients)
+            self._observed(True)
+        elif not self._wait():
+            self._add_nested(columns, seen, accepted, predicted, coefficients)
+            self.refresh()
+        else:  # the fit before the round: the kept one, the same object for every round that waits
+            key = (id(columns), id(coefficients))
+            self._nested_args[key] = columns, coefficients
+            self._waiting_nested.setdefault(key, []).append((seen, accepted, predicted))
+
+    def _add_nested(self, columns: np.ndarray, seen: np.ndarray, accepted: np.ndarray, predicted: np.ndarray,
+                    coefficients: Pair) -> None:  # fmt: skip
         a, b = coefficients
         miss = accepted + 1.0 - np.maximum(1.0, a[columns] + b[columns] * seen)
         terms = np.stack([seen, accepted, seen * seen, seen * accepted, miss * miss, predicted]).sum(axis=1)
         pairs = np.full(columns.size, float(seen.shape[0]))  # a row of ones summed: the request count
-        first = bool(((self.n[columns] == 0) | ~(self.predicted[columns] > 0)).any())
         self.sums[:, columns] += np.stack([pairs, *terms[:5], terms[1], terms[5]])
-        self._observed(first)
 
     def ratio(self, j: int) -> float:
         """r_n of bucket index j: accepted / predicted of this bucket, else of the nearest bucket with
@@ -141,6 +198,7 @@ class Calibration:
 
     def _ratio_values(self) -> list[float]:
         """ratios() as Python floats (the same divisions, one per bucket)."""
+        self._add_waiting()
         predicted = self.predicted.tolist()
         tried = [p > 0 for p in predicted]
         if not any(tried):
@@ -165,6 +223,7 @@ class Calibration:
     def _level_values(self) -> tuple[np.ndarray, list[float], np.ndarray | None]:
         """levels() as an array and as a list, and unknown_levels(), kept until the next draft read."""
         if self._levels is None:
+            self._add_waiting()
             sums, drafts = self.level_sums.tolist(), self.drafts.tolist()
             values = [x / _maximum(d, 1.0) if d > 0 else math.nan for x, d in zip(sums, drafts)]
             levels = np.array(values)
@@ -175,6 +234,7 @@ class Calibration:
     def slopes(self) -> np.ndarray:
         """Per bucket, the least-squares slope of y on x, >= 0, shrunk by n / (n + SLOPE_PAIRS);
         0 without pairs or without spread in x."""
+        self._add_waiting()
         columns = (self.n.tolist(), self.sx.tolist(), self.sy.tolist(), self.sxx.tolist(), self.sxy.tolist())
         return np.array([_slope(*sums) for sums in zip(*columns)])
 
@@ -188,6 +248,7 @@ class Calibration:
         """coefficients() as Python floats, bucket by bucket: the operations of the array form, in
         the same order (six buckets: a numpy call costs more than the arithmetic it does)."""
         a, b = [], []
+        self._add_waiting()
         columns = (self.n.tolist(), self.sx.tolist(), self.sy.tolist(), self.sxx.tolist(), self.sxy.tolist())
         levels = self._level_values()[1]
         for size, ratio, level, (n, sx, sy, sxx, sxy) in zip(
@@ -224,6 +285,7 @@ class Calibration:
         read-only."""
         pair = self._long_run_pair()
         if self._bonus is None or self._bonus[0] is not pair:
+            self._add_waiting()
             _, variance = pair[0]
             bonus = EXPLORE_SDS * np.sqrt(variance / (self.n + PRIOR_PAIRS))
             self._bonus = pair, np.where(self._sizes == 0, 0.0, bonus)
@@ -239,6 +301,7 @@ class Calibration:
         """long_run() as arrays and as lists, kept until the next observation."""
         if self._long_run is not None:
             return self._long_run  # nothing observed since
+        self._add_waiting()
         a, b = self._coefficient_pair()[1]
         ybar, var = [], []
         columns = (self._level_values()[1], self.misses.tolist(), self.n.tolist())
