@@ -118,7 +118,9 @@ the levels of S, the cost table's prices. With `refresh_rounds` = k those are re
 rounds read (the engine's: REFRESH_ROUNDS), from every round read: between refreshes the choice weighs
 estimates up to k - 1 rounds old, while each request's own S is always its last draft's. A round that
 changes what kind of estimate a bucket gets (its first pairs, draft or prediction; its third measured
-round, which gives it a median price) refreshes at once. In the simulator, auto over the best at
+round, which gives it a median price) refreshes at once. Between refreshes a round's pairs and drafts
+wait, and the refresh adds the waiting rounds to the calibration's sums in one pass (Calibration:
+the same sums, one numpy pass in place of one per round). In the simulator, auto over the best at
 k = 1, 2, 4 and 8 differs by no more than the spread between seeds (docs/engine.md); k = 1, the
 default, is what the policy's tests check.
 """
