@@ -68,6 +68,12 @@ bench_small_b1() {
   timeout "${T_E2E:-150}" python3 -m kdtree_engine bench e2e --target small --batch 1 --temperatures 0 \
     --budgets 32 64 --out "$R/small_b1" 2>&1 | tee "$R/bench_small_b1.log" | tail -30 || status=1
 }
+# FlashMLA, where its wheel is carried in .whl/: installed into /tmp/site, put on the path
+flashmla_if_carried() {
+  if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
+    pip install -q --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+  fi
+}
 if [ "$what" = sglang ]; then
   KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_SGT:-200}" python3 -m pytest -q tests/integrations \
     -p no:cacheprovider "${xdist[@]}" -rs --durations=8 2>&1 | tee "$R/sglang_tests.log" | tail -30 || status=1
@@ -78,9 +84,7 @@ if [ "$what" = sglang ]; then
 fi
 if [ "$what" = sglang-verify ]; then
   # FlashMLA, where its wheel is carried in .whl/ (carry [".peers", ".whl"]): the cascade column on 64-slot pages
-  if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
-    pip install -q --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
-  fi
+  flashmla_if_carried
   # the attention kernel's GPU tests first: the Hopper kernel now gathers SGLang's pages of one row
   timeout "${T_KT:-160}" python3 -m pytest -q tests/kernels/test_mla_attention.py tests/kernels/test_sglang_attention_metadata.py -p no:cacheprovider \
     "${xdist[@]}" -rs 2>&1 | tee "$R/attention_tests.log" | tail -20 || status=1
@@ -111,9 +115,7 @@ if [ "$what" = hopper-ab ]; then
   # | tar x -C out/base`, assets removed; carry out/base and .whl): the attention tests on the new code, then
   # bench attention on both, the issue 29 points on 64-row pages (with FlashMLA where its wheel is carried)
   # and issue 31's h = 8 points on pages of one row
-  if ls .whl/sgl_flash_mla-*.whl >/dev/null 2>&1; then
-    pip install -q --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-  fi
+  flashmla_if_carried
   timeout "${T_KT:-200}" python3 -m pytest -q tests/kernels/test_mla_attention.py -p no:cacheprovider "${xdist[@]}" \
     -rs 2>&1 | tee "$R/attention_tests.log" | tail -8 || status=1
   for side in base new; do

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,11 +64,9 @@ class Calibration:
         self.held, self._stale = False, False
         # held, the pairs and drafts of such observations wait here and are added to the sums at once,
         # before anything reads the sums (_add_waiting): one numpy pass over several rounds where each
-        # round's own would cost as much (a handful of requests, the calls' fixed cost dominates)
-        self._waiting_pairs: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        self._waiting_nested: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-        self._nested_args: dict[tuple[int, int], tuple[np.ndarray, Pair]] = {}
-        self._waiting_drafts: list[np.ndarray] = []
+        # round's own would cost as much (a handful of requests, the calls' fixed cost dominates). Per
+        # kind of addition: (its function, its leading arguments, each waiting round's arrays)
+        self._waiting: dict[tuple, tuple[Callable, tuple, list[tuple[np.ndarray, ...]]]] = {}
 
     def _observed(self, first: bool) -> None:
         """After an observation: the kept results dropped now (`first`: a bucket's first of its kind,
@@ -84,26 +83,24 @@ class Calibration:
             self._coefficients = self._long_run = self._levels = None
             self._stale = False
 
-    def _wait(self) -> bool:
-        """Whether an observation that is no bucket's first of its kind waits (held) rather than being
-        added to the sums now; it marks the kept results stale either way."""
+    def _take(self, first: bool, add: Callable, head: tuple, arrays: tuple[np.ndarray, ...]) -> None:
+        """An observation: add(*head, *arrays) now where it is a bucket's first of its kind or nothing is
+        held (then _observed), else waiting with the others of the same add and head (the kept results
+        stale either way)."""
+        if first or not self.held:
+            add(*head, *arrays)
+            self._observed(first)
+            return
         self._stale = True
-        return self.held
+        key = (add.__name__, *(id(x) for x in head))  # the head is held below: no id is reused meanwhile
+        self._waiting.setdefault(key, (add, head, []))[2].append(arrays)
 
     def _add_waiting(self) -> None:
-        """The waiting pairs and drafts added to the sums, each bucket's (and each larger round's smaller
-        trees') in one pass."""
-        for j, rounds in self._waiting_pairs.items():
-            seen, accepted, expected = (np.concatenate(parts) for parts in zip(*rounds))
-            self._add_pairs(j, seen, accepted, expected)
-        for key, rounds in self._waiting_nested.items():
-            columns, coefficients = self._nested_args[key]
-            seen, accepted, predicted = (np.concatenate(parts) for parts in zip(*rounds))
-            self._add_nested(columns, seen, accepted, predicted, coefficients)
-        if self._waiting_drafts:
-            self._add_drafts(np.concatenate(self._waiting_drafts))
-        self._waiting_pairs, self._waiting_nested, self._nested_args = {}, {}, {}
-        self._waiting_drafts = []
+        """The waiting pairs and drafts added to the sums, each kind (each bucket's pairs, each larger
+        round's smaller trees, the drafts) in one pass over its rounds' arrays joined."""
+        for add, head, rounds in self._waiting.values():
+            add(*head, *(np.concatenate(parts) for parts in zip(*rounds, strict=True)))
+        self._waiting = {}
 
     def own_ratio(self, j: int) -> float | None:
         """r_n of bucket index j from its own rounds only (accepted drafted tokens over what their S
@@ -122,14 +119,7 @@ class Calibration:
     def observe_drafts(self, sums: np.ndarray) -> None:
         """The S at every bucket of each request of a draft read ([requests, buckets]; NaN at the
         buckets larger than the one built): the levels."""
-        if self._undrafted_built(sums):
-            self._add_drafts(sums)
-            self._observed(True)
-        elif not self._wait():
-            self._add_drafts(sums)
-            self.refresh()
-        else:
-            self._waiting_drafts.append(sums)
+        self._take(self._undrafted_built(sums), self._add_drafts, (), (sums,))
 
     def _undrafted_built(self, sums: np.ndarray) -> bool:
         """Whether a draft's S ([requests, buckets]) holds a bucket no draft read before built."""
@@ -149,14 +139,7 @@ class Calibration:
         if expected is None:
             a, b = self.expected_coefficients()
             expected = np.maximum(1.0, a[j] + b[j] * seen)
-        if self.n[j] == 0:  # the bucket's first pairs
-            self._add_pairs(j, seen, accepted, expected)
-            self._observed(True)
-        elif not self._wait():
-            self._add_pairs(j, seen, accepted, expected)
-            self.refresh()
-        else:
-            self._waiting_pairs.setdefault(j, []).append((seen, accepted, expected))
+        self._take(bool(self.n[j] == 0), self._add_pairs, (j,), (seen, accepted, expected))
 
     def _add_pairs(self, j: int, seen: np.ndarray, accepted: np.ndarray, expected: np.ndarray) -> None:
         miss = accepted + 1.0 - expected
@@ -168,19 +151,12 @@ class Calibration:
         larger tree ([requests, columns] each: the S the choice saw, the drafted tokens each would have
         accepted, its own S of this draft); the misses against `coefficients`, the fit (a, b) as it
         stood before the round."""
-        if bool(((self.n[columns] == 0) | ~(self.predicted[columns] > 0)).any()):
-            self._add_nested(columns, seen, accepted, predicted, coefficients)
-            self._observed(True)
-        elif not self._wait():
-            self._add_nested(columns, seen, accepted, predicted, coefficients)
-            self.refresh()
-        else:  # the fit before the round: the kept one, the same object for every round that waits
-            key = (id(columns), id(coefficients))
-            self._nested_args[key] = columns, coefficients
-            self._waiting_nested.setdefault(key, []).append((seen, accepted, predicted))
+        first = bool(((self.n[columns] == 0) | ~(self.predicted[columns] > 0)).any())
+        # (the fit before the round is the kept one: the same object for every round that waits)
+        self._take(first, self._add_nested, (columns, coefficients), (seen, accepted, predicted))
 
-    def _add_nested(self, columns: np.ndarray, seen: np.ndarray, accepted: np.ndarray, predicted: np.ndarray,
-                    coefficients: Pair) -> None:  # fmt: skip
+    def _add_nested(self, columns: np.ndarray, coefficients: Pair, seen: np.ndarray, accepted: np.ndarray,
+                    predicted: np.ndarray) -> None:  # fmt: skip
         a, b = coefficients
         miss = accepted + 1.0 - np.maximum(1.0, a[columns] + b[columns] * seen)
         terms = np.stack([seen, accepted, seen * seen, seen * accepted, miss * miss, predicted]).sum(axis=1)
