@@ -104,7 +104,10 @@ class Calibration:
 
     def own_ratio(self, j: int) -> float | None:
         """r_n of bucket index j from its own rounds only (accepted drafted tokens over what their S
-        predicted), None before any (ratio() borrows a neighbour's)."""
+        predicted), None before any (ratio() borrows a neighbour's). Read every pick for the chain's
+        bucket, whose sums only observe() adds (the chain is no larger tree's nested column, so nothing
+        of it waits): it takes no waiting rounds in, which would undo their one pass each pick; a tree
+        bucket's value here leaves out its waiting nested rounds until the refresh."""
         predicted = float(self.predicted[j])
         return float(self.accepted[j]) / predicted if predicted > 0 else None
 
