@@ -6,7 +6,8 @@ kernel everywhere, 10x from 4k prefixes), taken apart on the same inputs as `ben
 - meta: our metadata launch alone (kernels/sglang_attention.py);
 - run_hopper / run_triton: one later layer with each of our kernels (the plan made);
 - kernel_hopper: the Hopper kernel alone (run_hopper without the merge of cut row blocks), and the
-  host schedule it ran (tiles, per, units, cuts, groups);
+  host schedule it ran (tiles, per, units, cuts, groups); merge_alone: the merge launch alone on one
+  kernel run's pieces (run_hopper - kernel_hopper - merge_alone: what the handoff between them costs);
 - run_merge_r{R}w{W}: run_hopper with the merge launch's programs taking R rows with W warps (its own
   shape: one row, 2+ warps);
 - run_cut{k}: the Hopper kernel and its merge with each row block cut into k pieces instead of the
@@ -85,6 +86,9 @@ def kernel_alone(ours: OursVerify) -> dict:
     launch, p, q, kv, out, lse = hopper_call(ours)
     us = timed(lambda: hopper._launch_kernel(launch, p, q, kv, out, lse))
     row = {"kernel_hopper_us": us, "schedule": list(launch.host or ()), "merge": launch.merge}
+    if launch.merge:  # the merge launch alone, on the pieces of one kernel run
+        hopper._launch_kernel(launch, p, q, kv, out, lse)
+        row["merge_alone_us"] = timed(lambda: hopper._launch_merge(launch, p, out, lse))
     for k in CUTS:
         forced = hopper.plan(p, q.device, ours.backend.forward_metadata.max_seqlen, forced=k)
         us = timed(lambda f=forced: hopper.run(f, p, q, kv, out, lse))

@@ -664,8 +664,13 @@ def run(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out
                          "16-byte aligned too")  # fmt: skip
     _launch_kernel(launch, p, q, kv_cache, out, lse)
     if launch.merge:
-        merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows,
-                     BLOCK_M, launch.cut_blocks, launch.max_pieces)  # fmt: skip
+        _launch_merge(launch, p, out, lse)
+
+
+def _launch_merge(launch: Launch, p: Problem, out, lse) -> None:
+    """The merge alone: the cut row blocks' pieces (the kernel's workspace) into out / lse."""
+    merge_pieces(launch.part, launch.plse, out, lse, launch.host or launch.sched, p.rows, BLOCK_M,
+                 launch.cut_blocks, launch.max_pieces)  # fmt: skip
 
 
 def _launch_kernel(launch: Launch, p: Problem, q: torch.Tensor, kv_cache: torch.Tensor, out, lse) -> None:
