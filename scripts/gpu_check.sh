@@ -33,7 +33,8 @@
 # decode and h = 64, t = 9 at 32k, batch 16; NCU_POINTS "b,t,h,s ..."), then the Hopper kernel at issue 31's
 # h = 8, t = 17 miss (NCU_MISS= empty skips it); carry .whl.
 # "hopper-ab" runs the attention tests, then bench attention on the Hopper kernel's code against out/base/src
-# (an earlier copy) on the same machine (issues 29 and 31).
+# (an earlier copy) on the same machine (issues 29 and 31); "probe-ab" the SGLang verify step's parts
+# (scripts/probe_verify_misses.py) on both codes, with programmatic dependent launch and without (issue 31).
 # "tree-bound" runs the attention kernels' GPU tests and the SGLang backend's against SGLang's extend kernel,
 # then both targets' bench at batch 1, budget 32 (with out/base/src, an earlier copy, first: the baseline).
 # "engine" runs the cache compaction's kernel tests and the engine's GPU tests, then the auto budget's kimi-nano grid (one call); "auto-overhead" the
@@ -126,6 +127,23 @@ if [ "$what" = hopper-ab ]; then
     PYTHONPATH=$src timeout "${T_AB:-100}" python3 -m kdtree_engine bench attention --no-naive --no-flashmla --rep 30 \
       --page-size 1 --heads 8 --tokens 9 17 33 --seqlens 1024 4096 8192 --batch 16 --out "$R/ab1_$side" 2>&1 \
       | tail -30 > "$R/ab1_$side.log" || status=1
+  done
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
+  exit $status
+fi
+if [ "$what" = probe-ab ]; then
+  # issue 31's verify step, taken apart (scripts/probe_verify_misses.py) on an earlier copy of the code
+  # (out/base/src: `git archive <base> src | tar x -C out/base`, assets removed) and on this one, each with
+  # programmatic dependent launch and without (KDTREE_ENGINE_PDL=0); carry out/base and .peers. Its
+  # merge_alone column against run - kernel tells a kernel's handoff to its merge from the merge itself.
+  for pdl in 1 0; do
+    for side in base new; do
+      src=src; [ "$side" = base ] && src=out/base/src
+      KDTREE_ENGINE_PDL=$pdl PYTHONPATH=$src KDTREE_SGLANG_DDTREE=.peers/sglang timeout "${T_PROBE:-90}" \
+        python3 scripts/probe_verify_misses.py "$R/probe_${side}_pdl$pdl" \
+        --points ${PROBE_POINTS:-8,9,1024,16 8,9,4096,16 64,33,1024,1} > "$R/probe_${side}_pdl$pdl.log" 2>&1 \
+        || status=1
+    done
   done
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
