@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kdtree_engine.impl import capturing, check_impl
-from kdtree_engine.kernels.mla_attention_args import Mask, Problem
+from kdtree_engine.kernels.mla_attention_args import LaunchBounds, Mask, Problem
 from kdtree_engine.ref import mla_attention as ref
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # float64: impl="ref" only
@@ -108,17 +108,9 @@ def plan_attention(
     bound = min(max_seqlen or capacity, capacity)
     steer = min(max_seqlen or length_hint or capacity, capacity)  # the Triton kernel's split count
     launch = None
-    if kernel == "hopper":
-        launch = _kernel_module(kernel).plan(
-            problem, q.device, bound if max_seqlen else None, num_splits or 0
-        )
-    elif kernel == "triton":
-        from kdtree_engine.kernels._device import device_multiprocessors
-
-        slots = device_multiprocessors(q.device)
-        launch = _kernel_module(kernel).plan(
-            problem, q.dtype, q.device, steer, slots, num_splits=num_splits, invariant=invariant
-        )
+    if kernel != "ref":
+        bounds = LaunchBounds(bound if max_seqlen else None, steer, num_splits or 0, invariant)
+        launch = _kernel_module(kernel).plan_launch(problem, q.dtype, q.device, bounds)
     return AttentionPlan(kernel, problem, q.dtype, tuple(q.shape), tuple(kv_cache.shape), launch)
 
 

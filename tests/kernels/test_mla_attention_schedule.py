@@ -179,3 +179,31 @@ def test_schedule_aligns_only_within_its_slack(b, blocks, tiles, monkeypatch):
     monkeypatch.setattr(sched, "ALIGN_SLACK", (0, 1))  # never aligned: the plain balanced cut
     s = sched.schedule(b, blocks, tiles, 132)
     assert s.groups == 0 and s.tiles == tiles and s.per == balanced_per
+
+
+def test_each_kernel_module_plans_from_the_bounds_it_reads():
+    """plan_attention hands both kernel modules the same LaunchBounds; the Hopper module plans from the
+    trusted max_seqlen and the forced splits, the Triton module from the steering length over the device's
+    multiprocessors (bounds chosen so that reading the wrong field gives another launch)."""
+    from kdtree_engine.attention import plan_attention
+    from kdtree_engine.kernels import mla_attention_hopper as hopper
+    from kdtree_engine.kernels import mla_attention_triton as triton_attn
+    from kdtree_engine.kernels.mla_attention_args import LaunchBounds
+
+    b, t, h = 3, 9, 8
+    q, kv, lengths, vis, _, _ = make_inputs(b, t, h, 24, 8, [100, 121, 77], torch.float32, None, "random",
+                                            torch.Generator().manual_seed(5))  # fmt: skip
+    plan = plan_attention(q, kv, lengths, softmax_scale=0.3, d_v=24, visibility=vis, impl="triton")
+    p, cpu = plan.problem, torch.device("cpu")
+    bounds = LaunchBounds(max_seqlen=int(lengths.max()), steer=40000, num_splits=2, invariant=False)
+    got = hopper.plan_launch(p, q.dtype, cpu, bounds)
+    want = hopper.plan(p, cpu, int(lengths.max()), 2)
+    assert (got.programs, got.host, got.merge, got.cut_blocks) == (want.programs, want.host, want.merge,
+                                                                   want.cut_blocks)  # fmt: skip
+    assert got.host != hopper.plan(p, cpu, 40000, 2).host  # the steering length would plan otherwise
+    for splits in (0, 3):
+        bounds = LaunchBounds(max_seqlen=130, steer=40000, num_splits=splits, invariant=False)
+        got = triton_attn.plan_launch(p, q.dtype, cpu, bounds)
+        want = triton_attn.plan(p, q.dtype, cpu, 40000, 4, num_splits=splits or None)
+        assert (got.config, got.num_splits) == (want.config, want.num_splits)
+    assert plan.launch.num_splits == triton_attn.plan(p, q.dtype, cpu, int(lengths.max()), 4).num_splits

@@ -67,3 +67,14 @@ class Problem:
     def table(self) -> torch.Tensor:
         """The block table, or a stand-in pointer for a contiguous cache (never read then)."""
         return self.block_table if self.block_table is not None else self.seqlens
+
+
+@dataclass(frozen=True)
+class LaunchBounds:
+    """What a forward's plan knows of the lengths and asks of the split, as every kernel module's
+    `plan_launch` reads it (each takes what it uses)."""
+
+    max_seqlen: int | None  # a bound on the lengths the launch may trust (None: unknown, a captured forward)
+    steer: int  # the longest length expected: steers the Triton kernel's split count, not trusted as a bound
+    num_splits: int  # 0: the kernel's own schedule; else each row block's KV range in that many pieces
+    invariant: bool  # the Triton kernel's row-invariant mode

@@ -45,7 +45,7 @@ from triton.language.core import _aggregate as aggregate
 from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels import mla_attention_schedule as schedule
 from kdtree_engine.kernels._device import device_multiprocessors
-from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, Problem
+from kdtree_engine.kernels.mla_attention_args import MASK_CAUSAL, MASK_VISIBILITY, LaunchBounds, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_pieces
 from kdtree_engine.kernels.mla_attention_schedule import Schedule
 
@@ -633,6 +633,12 @@ class Launch:
     merge: bool
     cut_blocks: int  # a bound on the row blocks the schedule cuts (the merge's grid)
     max_pieces: int  # a bound on one row block's pieces
+
+
+def plan_launch(p: Problem, dtype: torch.dtype, device: torch.device, bounds: LaunchBounds) -> Launch:
+    """plan_attention's call (attention.py): the launch of p within bounds (their max_seqlen and
+    num_splits; the dtype is the cache's, which the TMA descriptor takes at run time)."""
+    return plan(p, device, bounds.max_seqlen, bounds.num_splits)
 
 
 def plan(p: Problem, device: torch.device, max_seqlen: int | None, forced: int = 0) -> Launch:

@@ -34,8 +34,9 @@ import triton.language as tl
 from kdtree_engine.kernels import _interpreter  # noqa: F401 - patches the CPU interpreter when it runs
 from kdtree_engine.kernels import _pdl as pdl
 from kdtree_engine.kernels._align import aligned, stride_align
+from kdtree_engine.kernels._device import device_multiprocessors
 from kdtree_engine.kernels._pdl import wait_then_release
-from kdtree_engine.kernels.mla_attention_args import MASK_BITS, MASK_CAUSAL, Problem
+from kdtree_engine.kernels.mla_attention_args import MASK_BITS, MASK_CAUSAL, LaunchBounds, Problem
 from kdtree_engine.kernels.mla_attention_merge import merge_splits
 from kdtree_engine.ref.mla_attention import bits_to_visibility
 
@@ -381,6 +382,14 @@ class Launch:
     plse: torch.Tensor | None  # [b, num_splits, rows] float32
     chunk: int = 0  # positions per split in the row-invariant mode, 0 otherwise
     ancestors: torch.Tensor | None = None  # ancestor_slots, the row-invariant mode's tree table
+
+
+def plan_launch(p: Problem, dtype: torch.dtype, device: torch.device, bounds: LaunchBounds) -> Launch:
+    """plan_attention's call (attention.py): the launch of p within bounds (their steer, num_splits
+    and invariant), over the device's multiprocessors."""
+    slots = device_multiprocessors(device)
+    splits = bounds.num_splits or None
+    return plan(p, dtype, device, bounds.steer, slots, num_splits=splits, invariant=bounds.invariant)
 
 
 def plan(p: Problem, dtype: torch.dtype, device: torch.device, max_len: int, slots: int,
