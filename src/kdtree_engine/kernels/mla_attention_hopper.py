@@ -637,7 +637,8 @@ class Launch:
 
 def plan_launch(p: Problem, dtype: torch.dtype, device: torch.device, bounds: LaunchBounds) -> Launch:
     """plan_attention's call (attention.py): the launch of p within bounds (their max_seqlen and
-    num_splits; the dtype is the cache's, which the TMA descriptor takes at run time)."""
+    num_splits; dtype is not needed: the pieces are float32, and the kernel takes the cache's dtype
+    from its TMA descriptor at run time)."""
     return plan(p, device, bounds.max_seqlen, bounds.num_splits)
 
 
