@@ -285,3 +285,19 @@ def test_buckets_a_round_did_not_build_are_seen_at_their_level():
     levels = policy.calibration.levels()
     assert levels[1] == 1.5 and levels[2] == 3.0
     assert policy._seen(np.array([0])).tolist() == [[0.0, 2.0, 3.0]]
+
+
+def test_rows_by_columns_is_the_two_step_indexing_laid_out_alike():
+    """BudgetPolicy._rows_by_columns: values[rows][:, columns] in one indexing, with the same values
+    and the same memory layout (the calibration's sums over it add in layout order)."""
+    rng = np.random.default_rng(0)
+    for rows_count in range(6):
+        for columns_count in range(4):
+            values = rng.random((8, 7))
+            values[rng.random((8, 7)) < 0.2] = np.nan
+            rows = rng.permutation(8)[:rows_count]
+            columns = np.sort(rng.permutation(7)[:columns_count])
+            want = values[rows][:, columns]
+            got = BudgetPolicy._rows_by_columns(values, rows, columns)
+            np.testing.assert_array_equal(got, want)
+            assert got.strides == want.strides or got.size <= 1

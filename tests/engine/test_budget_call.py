@@ -434,3 +434,19 @@ def test_held_rounds_wait_for_the_refresh_and_add_up_to_the_same_sums():
     assert held.n[3] == every.n[3] - 2  # waiting again
     assert held.slopes() == pytest.approx(every.slopes(), rel=1e-12)  # a read of the sums takes it in
     assert held.n[3] == every.n[3]
+
+
+def test_one_requests_call_seconds_are_the_general_forms():
+    """steady_call_seconds of one request takes its rounds directly (expected_last of one row weighs no
+    spread): the same seconds as the general form, NaN and ties included."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        costs = rng.choice([0.0, 1.0, 2.5], 6)
+        ybar, var = rng.choice([0.0, 0.5, 3.0, np.nan], 6), rng.random(6)
+        remaining, pace, pace_var = rng.choice([1.0, 7.0, np.nan], 1), rng.random(1) + 0.5, rng.random(1)
+        mu = 1.0 + pace[:, None] * ybar
+        rounds = remaining[:, None] / mu
+        spread = remaining[:, None] * var / mu**3
+        general = costs * np.maximum(1.0, expected_last(rounds, spread))
+        got = steady_call_seconds(costs, remaining, ybar, var, pace, pace_var)
+        np.testing.assert_array_equal(got, general)

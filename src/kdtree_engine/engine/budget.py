@@ -120,7 +120,10 @@ estimates up to k - 1 rounds old, while each request's own S is always its last 
 changes what kind of estimate a bucket gets (its first pairs, draft or prediction; its third measured
 round, which gives it a median price) refreshes at once. Between refreshes a round's pairs and drafts
 wait, and the refresh adds the waiting rounds to the calibration's sums in one pass (Calibration:
-the same sums, one numpy pass in place of one per round). In the simulator, auto over the best at
+the same sums, one numpy pass in place of one per round). What the choice derives from those
+estimates (the levels with unknown ones at 0, the buckets the rule may take and their prices, whether
+one is unmeasured, the steady rate) is kept with them (BudgetPolicy._standing), so that the picks
+between refreshes only do each round's own work over its rows. In the simulator, auto over the best at
 k = 1, 2, 4 and 8 differs by no more than the spread between seeds (docs/engine.md); k = 1, the
 default, is what the policy's tests check.
 """
@@ -230,6 +233,26 @@ class _Choice:
 
 
 @dataclass
+class _Standing:
+    """What the choice derives from the estimates it weighs (the calibration's kept results, the cost
+    table's estimates) and the candidate buckets, kept while they stand (BudgetPolicy._standing): the
+    levels of S (Calibration.levels; `known`: 0 where unknown; `unknown`: the mask, None where all are
+    known), whether a candidate is unmeasured, whether the static call's test can price a call, the
+    buckets the per-round rule may take and their costs (per must_draft), and the steady rate per
+    count of requests (filled at its first use: it reads Calibration.bonus, whose first read after a
+    refresh takes the waiting rounds in)."""
+
+    key: tuple
+    levels: np.ndarray
+    known: np.ndarray
+    unknown: np.ndarray | None
+    unmeasured: bool
+    priced: bool
+    allowed: dict[bool, tuple[list[int], list[float]]]
+    rates: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
 class BudgetPolicy:
     """The host side of the auto budget for one Runner (its cost table and calibration carry over to
     its later calls): picks each round's bucket from the last figures read, and learns from each round
@@ -267,6 +290,7 @@ class BudgetPolicy:
     # median refresh at once
     refresh_rounds: int = 1
     _unrefreshed: int = field(init=False, default=0)  # rounds read since the last refresh
+    _standing_kept: _Standing | None = field(init=False, default=None)  # _standing(), while it stands
 
     def __post_init__(self) -> None:
         self.calibration = Calibration(self.buckets)
@@ -276,7 +300,14 @@ class BudgetPolicy:
         self._trees = np.array([k > 0 for k in self.buckets])  # the same, as a mask
         chain = chain_bucket(self.buckets)
         self._chain = None if chain is None else self.buckets.index(chain)
-        self._candidates = np.ones(len(self.buckets), dtype=bool)  # _candidate_mask(), set by each pick
+        # the two masks _candidate_mask() returns (read-only: shared by every pick): every bucket, and
+        # every bucket but the chain
+        self._every = np.ones(len(self.buckets), dtype=bool)
+        self._without_chain = self._every.copy()
+        if self._chain is not None:
+            self._without_chain[self._chain] = False
+        self._every.flags.writeable = self._without_chain.flags.writeable = False
+        self._candidates = self._every  # _candidate_mask(), set by each pick
         # per bucket index: the indices of the smaller trees whose counts its round tells
         self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
@@ -314,28 +345,59 @@ class BudgetPolicy:
             tally.clear()
 
     def _rows(self, count: int) -> None:
-        """Room for `count` request rows (a new row has no S read yet)."""
+        """Room for `count` request rows (a new row has no S read yet); the paces' rows grow with
+        these (both start empty with each call)."""
         more = count - self.sums.shape[0]
         if more > 0:
             self.sums = np.concatenate([self.sums, np.full((more, len(self.buckets)), np.nan)])
             self.age = np.concatenate([self.age, np.zeros(more)])
-        self.paces.rows(count)
+            self.paces.rows(count)
 
-    def _seen(self, rows: np.ndarray) -> np.ndarray:
-        """The S at every bucket the choice sees for the request rows: each one's last draft's, pulled
-        towards the bucket's level by STALE_DECAY per round picked since it was read (the level alone
-        before its first draft read; 0 where neither is known). Drafting every round, each pick follows
-        a read: the age stays 0."""
+    def _seen(self, rows: np.ndarray | slice) -> np.ndarray:
+        """The S at every bucket the choice sees for the request rows (indices, or a slice of them):
+        each one's last draft's, pulled towards the bucket's level by STALE_DECAY per round picked since
+        it was read (the level alone before its first draft read; 0 where neither is known). Drafting
+        every round, each pick follows a read: the age stays 0. (S is finite: NaN in `seen` comes only
+        from an S not read.)"""
         own = self.sums[rows]
-        levels, unknown = self.calibration.levels(), self.calibration.unknown_levels()
+        standing = self._standing()
+        levels, known, unknown = standing.levels, standing.known, standing.unknown
         seen = own - levels  # levels + keep (own - levels), in place
         seen *= (STALE_DECAY ** self.age[rows])[:, None]
         seen += levels
         if unknown is not None:  # a bucket no draft built yet: the request's own S
             np.copyto(seen, own, where=unknown)
-        np.copyto(seen, levels, where=np.isnan(own))
-        np.copyto(seen, 0.0, where=np.isnan(seen))
+        np.copyto(seen, known, where=np.isnan(own))  # no S of its own: the level, else 0
         return seen
+
+    def _standing(self) -> _Standing:
+        """What the choice derives from the estimates it weighs and the candidates (_Standing), kept
+        until one of them changes (a refresh, a bucket's first of its kind, the chain ruled in or out):
+        the picks between read it instead of deriving it again (module docstring, "The host's time")."""
+        key = (self.calibration.version, id(self.costs), self.costs.version, id(self._candidates))
+        kept = self._standing_kept
+        if kept is None or kept.key != key:
+            kept = self._standing_kept = self._standing_afresh(key)
+        return kept
+
+    def _standing_afresh(self, key: tuple) -> _Standing:
+        levels, unknown = self.calibration.levels(), self.calibration.unknown_levels()
+        _, costs, _ = self.costs.estimates()
+        candidates = self._candidates.tolist()
+        allowed = {}
+        for must_draft in (False, True):
+            indices = [j for j in (self._drafting if must_draft else range(len(costs))) if candidates[j]]
+            allowed[must_draft] = indices, [costs[j] for j in indices]
+        step = self.buckets.index(0) if 0 in self.buckets else None
+        return _Standing(
+            key,
+            levels,
+            levels if unknown is None else np.where(unknown, 0.0, levels),
+            unknown,
+            unmeasured=any(c <= 0 for c, ok in zip(costs, candidates) if ok),
+            priced=step is not None and costs[step] > 0 and any(costs[j] > 0 for j in self._drafting),
+            allowed=allowed,
+        )
 
     def pick(self, active: Sequence[bool], must_draft: bool, remaining: Sequence[int] | None = None) -> int:
         """The bucket of the next round enqueued: the most expected tokens per second over the running
@@ -352,7 +414,8 @@ class BudgetPolicy:
         self._candidates = self._candidate_mask()
         self._rows(len(active))
         rows = np.flatnonzero(np.asarray(active, dtype=bool))
-        seen = self._seen(rows)
+        index = slice(0, rows.size) if rows.size == len(active) else rows  # every row running: in place
+        seen = self._seen(index)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
         totals, why, rate, costs = per_row.sum(axis=0), "call", None, None
         if remaining is not None and self._steps_end_soonest(rows, remaining, must_draft):
@@ -370,17 +433,15 @@ class BudgetPolicy:
                 lower = per_row[:, chain] - self.calibration.bonus()[chain]
                 expected[chain] = float(np.maximum(1.0, lower).sum())
             _, costs, _ = self.costs.estimates()
-            allowed = [j for j in (self._drafting if must_draft else range(len(self.buckets)))
-                       if self._candidates[j]]  # fmt: skip
+            allowed, allowed_costs = self._standing().allowed[must_draft]
             rate = self._steady_rate(rows.size)
-            picked = choose([expected[j] for j in allowed], [costs[j] for j in allowed], rate)
-            j = allowed[picked]
+            j = allowed[choose([expected[j] for j in allowed], allowed_costs, rate)]
             why = "untried" if costs[j] <= 0 else "rule"
             if self.buckets[j] == 0:
                 step, j = j, self._explore(costs, j)
                 why = "explore" if j != step else why
         self.pending.append(_Choice(rows, seen, per_row[:, j], why, totals, rate, costs))
-        self.age[rows] += 1
+        self.age[index] += 1
         step = self.buckets[j] == 0
         self.streak = self.streak + 1 if step else 0
         self.call_steps = self.call_steps + 1 if step and why == "call" else 0
@@ -401,7 +462,7 @@ class BudgetPolicy:
         choice with each tree's acceptance raised to its upper bound (Calibration.optimistic_long_run;
         module docstring, "Exploring against steps"), which is a tree or the step; otherwise the step
         (a round whose own draft promises little). Ties go to the first bucket, the step."""
-        if self._unmeasured(costs):
+        if self._unmeasured():
             return step
         if self._steady_choice(self._long_run_as_chosen(), costs) != step:
             return step  # a tree is the steady choice: this round's step is the draft's call
@@ -439,10 +500,10 @@ class BudgetPolicy:
         ybar, _ = self.calibration.long_run()
         return self._steady_choice(ybar, costs, trees_only=True)
 
-    def _unmeasured(self, costs: Sequence[float]) -> bool:
+    def _unmeasured(self) -> bool:
         """Whether a bucket the choice may take is not measured yet (CostTable.estimate 0): the choice
         then explores, and neither the steady rate nor the static call's test is known."""
-        return any(c <= 0 for c, ok in zip(costs, self._candidates.tolist()) if ok)
+        return self._standing().unmeasured
 
     def _unbuilt(self) -> int | None:
         """The largest candidate tree bucket no draft read has built yet, or None: a call is not given
@@ -455,19 +516,25 @@ class BudgetPolicy:
 
     def _candidate_mask(self) -> np.ndarray:
         """Per bucket, whether the choice may take it: every bucket, but the chain's only while its own
-        calibration ratio is at least CHAIN_MIN_RATIO (module docstring)."""
-        mask = np.ones(len(self.buckets), dtype=bool)
-        if self._chain is not None:
-            ratio = self.calibration.own_ratio(self._chain)
-            mask[self._chain] = ratio is None or ratio >= CHAIN_MIN_RATIO
-        return mask
+        calibration ratio is at least CHAIN_MIN_RATIO (module docstring). Read-only."""
+        if self._chain is None:
+            return self._every
+        ratio = self.calibration.own_ratio(self._chain)
+        return self._every if ratio is None or ratio >= CHAIN_MIN_RATIO else self._without_chain
 
     def _steady_rate(self, requests: int) -> float:
         """lambda of the choice (module docstring): the batch's tokens per second with the best bucket
         every round, its `requests` each committing the bucket's long-run tokens (Calibration.long_run:
-        E at the bucket's level of S); 0 while a bucket is unmeasured (costs 0: the choice explores)."""
+        E at the bucket's level of S); 0 while a bucket is unmeasured (costs 0: the choice explores).
+        Kept (_standing) per count of requests."""
+        rates = self._standing().rates
+        if requests not in rates:
+            rates[requests] = self._steady_rate_afresh(requests)
+        return rates[requests]
+
+    def _steady_rate_afresh(self, requests: int) -> float:
         _, costs, _ = self.costs.estimates()
-        if requests == 0 or self._unmeasured(costs):
+        if requests == 0 or self._unmeasured():
             return 0.0
         ybar = self._long_run_as_chosen().tolist()
         rates = [(1.0 + y) * requests for y, ok in zip(ybar, self._candidates.tolist()) if ok]
@@ -492,13 +559,10 @@ class BudgetPolicy:
         tokens each has left less what the rounds picked and not read yet are expected to commit. A
         decisive answer for steps gives the call to steps (`stepping`); while the drafter must run, or
         while a bucket is not measured yet (the rule would try it), only such an answer steps."""
-        if 0 not in self.buckets or rows.size == 0:
+        if 0 not in self.buckets or rows.size == 0 or not self._standing().priced:
             return False
-        costs, values, _ = self.costs.estimates()
-        measured = costs > 0
-        if not measured[self.buckets.index(0)] or not measured[self._drafting].any():
-            return False
-        partial = self._unmeasured(values)
+        costs, _, _ = self.costs.estimates()
+        partial = self._unmeasured()
         most = float(np.asarray(remaining)[rows].max())
         steps = self.call_test.kept_answer(most)
         decisive = steps is not None  # an answer is kept only when it was decisive
@@ -586,32 +650,36 @@ class BudgetPolicy:
             return
         j, cal = self.buckets.index(bucket), self.calibration
         rows = np.asarray(rows, dtype=np.int64)
-        own = np.asarray(sums, dtype=np.float64)[rows]  # [rows, buckets], NaN past the bucket built
+        row_list = rows.tolist()
+        # the first rows in order (every request running): read and written as a slice, in place
+        index = slice(0, rows.size) if row_list == list(range(rows.size)) else rows
+        sums = np.asarray(sums, dtype=np.float64)
+        own = sums[rows]  # [rows, buckets], NaN past the bucket built (a copy: the calibration keeps it)
         committed = np.asarray(counts, dtype=np.float64)
-        accepted = committed[rows] - 1.0
+        accepted = committed[index] - 1.0
+        total = float(accepted.sum())
         if choice is not None:
-            got = accepted  # the rows the choice saw ran this round: their acceptance is this round's
-            if choice.rows.size != rows.size or not (choice.rows == rows).all():
+            got, ran = accepted, index  # the rows the choice saw ran this round: this round's acceptance
+            if choice.rows.tolist() != row_list:
                 choice = self._still_running(choice, rows)
-                got = committed[choice.rows] - 1.0
+                got, ran = committed[choice.rows] - 1.0, choice.rows
             ybar, variance = cal.long_run_values()  # before this round is added
             before = cal.expected_coefficients() if would is not None else None  # kept from the last pick
-            self.paces.observe(choice.rows, got, ybar[j], variance[j])
+            self.paces.observe(ran, got, ybar[j], variance[j])
             cal.observe_choices(j, choice.seen[:, j], got, choice.expected)
             if would is not None:
-                told = np.asarray(would, dtype=np.float64)
-                self._observe_smaller(j, choice, told, np.asarray(sums, dtype=np.float64), before)
+                self._observe_smaller(j, choice, np.asarray(would, dtype=np.float64), sums, before)
             expected = float(choice.expected.sum())
         else:
             expected = float(len(rows))
         cal.observe_drafts(own)
-        cal.observe(j, accepted, own[:, j])
+        cal.observe_totals(j, total, float(own[:, j].sum()))
         self.expected[bucket] = self.expected.get(bucket, 0.0) + expected
         self.predicted[bucket] = self.predicted.get(bucket, 0.0) + float((1.0 + own[:, j]).sum())
-        self.observed[bucket] = self.observed.get(bucket, 0.0) + float(accepted.sum() + len(rows))
+        self.observed[bucket] = self.observed.get(bucket, 0.0) + (total + len(rows))
         self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
-        self._rows(int(rows.max()) + 1 if rows.size else 0)
-        self.sums[rows], self.age[rows] = own, 0
+        self._rows(max(row_list) + 1 if row_list else 0)
+        self.sums[index], self.age[index] = own, 0
         self._refresh_when_due()
 
     def _refresh_when_due(self) -> None:
@@ -630,8 +698,15 @@ class BudgetPolicy:
         columns = self._nested[j]
         if columns.size:
             rows, seen = choice.rows, choice.seen[:, columns]
-            accepted = would[rows][:, columns] - 1.0
-            self.calibration.observe_nested(columns, seen, accepted, own[rows][:, columns], coefficients)
+            accepted = self._rows_by_columns(would, rows, columns) - 1.0
+            own = self._rows_by_columns(own, rows, columns)
+            self.calibration.observe_nested(columns, seen, accepted, own, coefficients)
+
+    @staticmethod
+    def _rows_by_columns(values: np.ndarray, rows: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        """values[rows][:, columns] in one indexing, laid out as that gives it (column-major): the
+        calibration's sums over it then add in the same order."""
+        return values.T[columns[:, None], rows].T
 
     @staticmethod
     def _still_running(choice: _Choice, rows: np.ndarray) -> _Choice:

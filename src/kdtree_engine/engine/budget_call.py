@@ -76,6 +76,8 @@ def steady_call_seconds(costs: np.ndarray, remaining: np.ndarray, ybar: np.ndarr
     m = remaining[:, None]
     mu = 1.0 + pace[:, None] * ybar  # [R, K]
     rounds = m / mu
+    if remaining.size == 1:  # one request: the call ends with its rounds (expected_last weighs no spread)
+        return costs * np.maximum(1.0, rounds[0])
     spread = m * variance / mu**3 + (m * ybar / mu**2) ** 2 * pace_variance[:, None]
     return costs * np.maximum(1.0, expected_last(rounds, spread))
 
@@ -150,9 +152,10 @@ class Paces:
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.got, self.par, self.noise
 
-    def observe(self, rows: np.ndarray, accepted: np.ndarray, mean: float, variance: float) -> None:
-        """A round of those request rows: the drafted tokens each accepted, and the long-run mean and
-        variance of its bucket (Calibration.long_run) as they stood."""
+    def observe(self, rows: np.ndarray | slice, accepted: np.ndarray, mean: float, variance: float) -> None:
+        """A round of those request rows (indices, or a slice of them): the drafted tokens each
+        accepted, and the long-run mean and variance of its bucket (Calibration.long_run) as they
+        stood."""
         self.got[rows] += accepted
         self.par[rows] += mean
         self.noise[rows] += variance

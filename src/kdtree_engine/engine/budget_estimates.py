@@ -62,6 +62,9 @@ class Calibration:
         # held (BudgetPolicy.refresh_rounds > 1): an observation keeps the kept results until refresh(),
         # unless it changes what kind of estimate a bucket gets (its first pairs, draft or prediction)
         self.held, self._stale = False, False
+        # counts the drops of the kept results: what is derived from them (BudgetPolicy's kept values)
+        # stands while this is unchanged
+        self.version = 0
         # held, the pairs and drafts of such observations wait here and are added to the sums at once,
         # before anything reads the sums (_add_waiting): one numpy pass over several rounds where each
         # round's own would cost as much (a handful of requests, the calls' fixed cost dominates). Per
@@ -82,6 +85,7 @@ class Calibration:
         if self._stale:
             self._coefficients = self._long_run = self._levels = None
             self._stale = False
+            self.version += 1
 
     def _take(self, first: bool, add: Callable, head: tuple, arrays: tuple[np.ndarray, ...]) -> None:
         """An observation: add(*head, *arrays) now where it is a bucket's first of its kind or nothing is
@@ -114,9 +118,13 @@ class Calibration:
     def observe(self, j: int, accepted: np.ndarray, predicted: np.ndarray) -> None:
         """One round of bucket index j: per running request, the drafted tokens it accepted
         (committed - 1) and the sum S the round's draft predicted for it."""
+        self.observe_totals(j, float(accepted.sum()), float(predicted.sum()))
+
+    def observe_totals(self, j: int, accepted: float, predicted: float) -> None:
+        """observe() from the round's totals over its requests (a caller that has them already)."""
         first = not self.predicted[j] > 0
-        self.accepted[j] += float(accepted.sum())
-        self.predicted[j] += float(predicted.sum())
+        self.accepted[j] += accepted
+        self.predicted[j] += predicted
         self._observed(first)
 
     def observe_drafts(self, sums: np.ndarray) -> None:
@@ -125,9 +133,12 @@ class Calibration:
         self._take(self._undrafted_built(sums), self._add_drafts, (), (sums,))
 
     def _undrafted_built(self, sums: np.ndarray) -> bool:
-        """Whether a draft's S ([requests, buckets]) holds a bucket no draft read before built."""
+        """Whether a draft's S ([requests, buckets]) holds a bucket no draft read before built (once
+        every bucket has been drafted, a look at the counts alone)."""
+        if 0.0 not in self.drafts.tolist():
+            return False
         undrafted = self.drafts == 0
-        return bool(undrafted.any() and (undrafted & ~np.isnan(sums).all(axis=0)).any())
+        return bool((undrafted & ~np.isnan(sums).all(axis=0)).any())
 
     def _add_drafts(self, sums: np.ndarray) -> None:
         known = ~np.isnan(sums)
@@ -154,7 +165,8 @@ class Calibration:
         larger tree ([requests, columns] each: the S the choice saw, the drafted tokens each would have
         accepted, its own S of this draft); the misses against `coefficients`, the fit (a, b) as it
         stood before the round."""
-        first = bool(((self.n[columns] == 0) | ~(self.predicted[columns] > 0)).any())
+        pairs, told = self.n.tolist(), self.predicted.tolist()
+        first = any(pairs[c] == 0 or not told[c] > 0 for c in columns.tolist())
         # (the fit before the round is the kept one: the same object for every round that waits)
         self._take(first, self._add_nested, (columns, coefficients), (seen, accepted, predicted))
 
@@ -324,6 +336,7 @@ class CostTable:
     _shift_kept: float | None = None  # _shift(), until the next observation here or a new call
     held: bool = False  # (BudgetPolicy.refresh_rounds > 1) estimates kept until refresh(), as Calibration's
     _stale: bool = False
+    version: int = 0  # counts the drops of the cached estimates, as Calibration.version
 
     def observe(self, bucket: int, seconds: float) -> None:
         times = self.times.get(bucket)
@@ -346,6 +359,7 @@ class CostTable:
         self._all = None
         self._shift_kept = None
         self._stale = False
+        self.version += 1
 
     def measured(self, bucket: int) -> float | None:
         t = self.times.get(bucket)
