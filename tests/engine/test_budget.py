@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdtree_engine.engine import SamplingParams, accept_tokens
-from kdtree_engine.engine.budget import AUTO_BUCKETS, BudgetPolicy, choose, steady_rate
+from kdtree_engine.engine.budget import AUTO_BUCKETS, FEW_ROWS, BudgetPolicy, choose, steady_rate, total_of
 from kdtree_engine.engine.budget_estimates import (
     COST_WINDOW,
     MIN_COST_ROUNDS,
@@ -287,6 +287,25 @@ def test_buckets_a_round_did_not_build_are_seen_at_their_level():
     assert policy._seen(np.array([0])).tolist() == [[0.0, 2.0, 3.0]]
 
 
+def test_total_of_is_numpys_sum_to_the_bit():
+    """budget.total_of (Python floats up to FEW_ROWS values) gives float(values.sum()) exactly: on
+    contiguous and strided columns, with NaN, infinities, signed zeros, ties and magnitudes far apart."""
+    assert FEW_ROWS <= 7  # numpy adds fewer than 8 values one after another
+    rng = np.random.default_rng(0)
+    special = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, 1.0]
+    for size in range(FEW_ROWS + 3):
+        for trial in range(400):
+            values = rng.random((size, 5)) * 10.0 ** rng.integers(-9, 10, (size, 5))
+            if trial % 4 == 0:
+                values[rng.random((size, 5)) < 0.3] = rng.choice(special)
+            if trial % 4 == 1:
+                values[:] = rng.choice([-0.0, 0.0, 1.5])
+            for column in (values[:, 2], np.ascontiguousarray(values[:, 2]), 1.0 + values[:, 3]):
+                want, got = float(column.sum()), total_of(column)
+                assert got == want or (math.isnan(got) and math.isnan(want))
+                assert math.copysign(1.0, got) == math.copysign(1.0, want)
+
+
 def test_rows_by_columns_is_the_two_step_indexing_laid_out_alike():
     """BudgetPolicy._rows_by_columns: values[rows][:, columns] in one indexing, with the same values
     and the same memory layout (the calibration's sums over it add in layout order)."""
@@ -298,6 +317,6 @@ def test_rows_by_columns_is_the_two_step_indexing_laid_out_alike():
             rows = rng.permutation(8)[:rows_count]
             columns = np.sort(rng.permutation(7)[:columns_count])
             want = values[rows][:, columns]
-            got = BudgetPolicy._rows_by_columns(values, rows, columns)
+            got = BudgetPolicy._rows_by_columns(values, rows, columns[:, None])
             np.testing.assert_array_equal(got, want)
             assert got.strides == want.strides or got.size <= 1

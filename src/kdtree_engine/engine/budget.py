@@ -123,7 +123,8 @@ wait, and the refresh adds the waiting rounds to the calibration's sums in one p
 the same sums, one numpy pass in place of one per round). What the choice derives from those
 estimates (the levels with unknown ones at 0, the buckets the rule may take and their prices, whether
 one is unmeasured, the steady rate) is kept with them (BudgetPolicy._standing), so that the picks
-between refreshes only do each round's own work over its rows. In the simulator, auto over the best at
+between refreshes only do each round's own work over its rows; observe sums a few rows' values in
+Python floats (total_of: the same floats as numpy's sums). In the simulator, auto over the best at
 k = 1, 2, 4 and 8 differs by no more than the spread between seeds (docs/engine.md); k = 1, the
 default, is what the policy's tests check.
 """
@@ -150,6 +151,7 @@ CHAIN_MIN_RATIO = 1.5  # the chain's accepted over predicted drafted tokens belo
 STEADY_STEP_MARGIN = 0.9  # steps in a row price the call's steps once below this share of the table's
 REFRESH_ROUNDS = 4  # the engine's BudgetPolicy.refresh_rounds (the module docstring, "The host's time")
 PROBE_STEPS = 8  # the static call's test's steps in a row (one request, not given to steps) before a tree
+FEW_ROWS = 4  # request rows up to which observe() sums them in Python floats (total_of; at most 7)
 
 
 def auto_buckets(chain_nodes: int | None) -> tuple[int, ...]:
@@ -203,6 +205,18 @@ def choose(expected: Sequence[float], costs: Sequence[float], rate: float) -> in
         if most is None or value > most:  # a later bucket only when strictly better
             best, most = j, value
     return best
+
+
+def total_of(values: np.ndarray) -> float:
+    """float(values.sum()) of a 1-D array, for up to FEW_ROWS values in Python floats: numpy adds fewer
+    than 8 values one after another to 0.0 (its pairwise summation starts at 8), as this loop does, so
+    the same float; where values are few, a numpy call costs more than the additions."""
+    if values.size > FEW_ROWS:
+        return float(values.sum())
+    total = 0.0
+    for value in values.tolist():
+        total += value
+    return total
 
 
 def steady_rate(at_levels: Sequence[float], costs: Sequence[float]) -> float:
@@ -311,6 +325,7 @@ class BudgetPolicy:
         # per bucket index: the indices of the smaller trees whose counts its round tells
         self._nested = [np.array([self.buckets.index(k) for k in smaller_trees(self.buckets, n, chain)],
                                  dtype=np.int64) for n in self.buckets]  # fmt: skip
+        self._nested_down = [columns[:, None] for columns in self._nested]  # the same, as [columns, 1]
         self.new_call()
 
     def new_call(self, copies: Sequence[int] | None = None, stage_timed: bool = False) -> None:
@@ -413,7 +428,7 @@ class BudgetPolicy:
         must_draft = must_draft or self.streak >= self.depth
         self._candidates = self._candidate_mask()
         self._rows(len(active))
-        rows = np.flatnonzero(np.asarray(active, dtype=bool))
+        rows = np.asarray(active, dtype=bool).nonzero()[0]  # np.flatnonzero without its wrappers
         index = slice(0, rows.size) if rows.size == len(active) else rows  # every row running: in place
         seen = self._seen(index)
         per_row = self.calibration.expected(seen)  # [rows, buckets]
@@ -450,7 +465,7 @@ class BudgetPolicy:
     def _step_of_stepping_call(self, active: Sequence[bool]) -> int:
         """pick() in a call given to steps: a step, with none of the choice's per-round work (the
         host's time per round is what a call of steps pays beside the device's steps)."""
-        rows = np.flatnonzero(np.asarray(active, dtype=bool))
+        rows = np.asarray(active, dtype=bool).nonzero()[0]  # np.flatnonzero without its wrappers
         seen = np.zeros((rows.size, len(self.buckets)))
         self.pending.append(_Choice(rows, seen, np.ones(rows.size), "stepping"))
         self.streak += 1
@@ -654,10 +669,12 @@ class BudgetPolicy:
         # the first rows in order (every request running): read and written as a slice, in place
         index = slice(0, rows.size) if row_list == list(range(rows.size)) else rows
         sums = np.asarray(sums, dtype=np.float64)
-        own = sums[rows]  # [rows, buckets], NaN past the bucket built (a copy: the calibration keeps it)
-        committed = np.asarray(counts, dtype=np.float64)
+        # [rows, buckets], NaN past the bucket built (a copy: the calibration keeps it; a slice's copies
+        # faster than indexing by rows)
+        own = sums[rows] if index is rows else sums[index].copy()
+        committed = np.asarray(counts)  # (integers: as floats, the same)
         accepted = committed[index] - 1.0
-        total = float(accepted.sum())
+        total = total_of(accepted)
         if choice is not None:
             got, ran = accepted, index  # the rows the choice saw ran this round: this round's acceptance
             if choice.rows.tolist() != row_list:
@@ -669,13 +686,14 @@ class BudgetPolicy:
             cal.observe_choices(j, choice.seen[:, j], got, choice.expected)
             if would is not None:
                 self._observe_smaller(j, choice, np.asarray(would, dtype=np.float64), sums, before)
-            expected = float(choice.expected.sum())
+            expected = total_of(choice.expected)
         else:
             expected = float(len(rows))
         cal.observe_drafts(own)
-        cal.observe_totals(j, total, float(own[:, j].sum()))
+        predicted = own[:, j]
+        cal.observe_totals(j, total, total_of(predicted))
         self.expected[bucket] = self.expected.get(bucket, 0.0) + expected
-        self.predicted[bucket] = self.predicted.get(bucket, 0.0) + float((1.0 + own[:, j]).sum())
+        self.predicted[bucket] = self.predicted.get(bucket, 0.0) + total_of(1.0 + predicted)
         self.observed[bucket] = self.observed.get(bucket, 0.0) + (total + len(rows))
         self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
         self._rows(max(row_list) + 1 if row_list else 0)
@@ -698,15 +716,16 @@ class BudgetPolicy:
         columns = self._nested[j]
         if columns.size:
             rows, seen = choice.rows, choice.seen[:, columns]
-            accepted = self._rows_by_columns(would, rows, columns) - 1.0
-            own = self._rows_by_columns(own, rows, columns)
+            down = self._nested_down[j]
+            accepted = self._rows_by_columns(would, rows, down) - 1.0
+            own = self._rows_by_columns(own, rows, down)
             self.calibration.observe_nested(columns, seen, accepted, own, coefficients)
 
     @staticmethod
-    def _rows_by_columns(values: np.ndarray, rows: np.ndarray, columns: np.ndarray) -> np.ndarray:
-        """values[rows][:, columns] in one indexing, laid out as that gives it (column-major): the
-        calibration's sums over it then add in the same order."""
-        return values.T[columns[:, None], rows].T
+    def _rows_by_columns(values: np.ndarray, rows: np.ndarray, down: np.ndarray) -> np.ndarray:
+        """values[rows][:, columns] in one indexing (down: columns[:, None]), laid out as that gives
+        it (column-major): the calibration's sums over it then add in the same order."""
+        return values.T[down, rows].T
 
     @staticmethod
     def _still_running(choice: _Choice, rows: np.ndarray) -> _Choice:

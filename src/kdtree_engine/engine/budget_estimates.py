@@ -51,6 +51,7 @@ class Calibration:
         self.sums = np.zeros((8, k))
         self.n, self.sx, self.sy, self.sxx, self.sxy, self.misses, self.accepted, self.predicted = self.sums
         self.level_sums, self.drafts = np.zeros(k), np.zeros(k)
+        self._every_drafted = False  # every bucket's count of drafts is above 0 (_undrafted_built)
         # kept results, as arrays and as lists: the coefficients and the long run until the next
         # observation, the levels (with their unknown mask) until the next draft read
         self._coefficients: tuple[Pair, tuple[list[float], list[float]]] | None = None
@@ -96,8 +97,11 @@ class Calibration:
             self._observed(first)
             return
         self._stale = True
-        key = (add.__name__, *(id(x) for x in head))  # the head is held below: no id is reused meanwhile
-        self._waiting.setdefault(key, (add, head, []))[2].append(arrays)
+        key = (add.__name__, *map(id, head))  # the head is held below: no id is reused meanwhile
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            waiting = self._waiting[key] = (add, head, [])
+        waiting[2].append(arrays)
 
     def _add_waiting(self) -> None:
         """The waiting pairs and drafts added to the sums, each kind (each bucket's pairs, each larger
@@ -134,8 +138,11 @@ class Calibration:
 
     def _undrafted_built(self, sums: np.ndarray) -> bool:
         """Whether a draft's S ([requests, buckets]) holds a bucket no draft read before built (once
-        every bucket has been drafted, a look at the counts alone)."""
+        every bucket has been drafted, never: the counts only grow)."""
+        if self._every_drafted:
+            return False
         if 0.0 not in self.drafts.tolist():
+            self._every_drafted = True
             return False
         undrafted = self.drafts == 0
         return bool((undrafted & ~np.isnan(sums).all(axis=0)).any())
