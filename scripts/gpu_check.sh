@@ -41,7 +41,8 @@
 # round report's kernel test and the engine's GPU tests, then scripts/auto_overhead.py (auto made to pick a
 # fixed bucket against that budget: what auto's machinery costs apart from its choices).
 # "traces" records kimi-nano's bf16 acceptance on the GPU for the policy simulator, then the nano grid (issue 28).
-# "grid-host" the host's time per round inside the grid (scripts/probe_grid_host.py, issue 28).
+# "grid-host" the host's time per round inside the grid (scripts/probe_grid_host.py, issue 28); "grid-host-ab" the
+# same on out/base/src (an earlier copy) and on this code, alternating.
 # "auto" runs the auto budget's grid on kimi-nano (issue 28), auto call by call (scripts/auto_calls.py) and the host's steps per round with the timed call's timeline; "auto-same-text" its greedy grid in the row-invariant mode (every row on AR's text); "auto-small" the
 # same grid on the 2.5B scaled-down Kimi shape (AUTO_BATCH and AUTO_TEMPS pick the batches and temperatures).
 # A checkout of liranringel/ddtree at .peers/ddtree (git-ignored) adds the official builder to the tree
@@ -234,6 +235,26 @@ if [ "$what" = grid-host ]; then
     timeout "${T_GRID:-100}" python3 scripts/probe_grid_host.py --batch "$b" --budgets 32 2>&1 \
       | tee -a "$R/grid_host.log" | tail -9 || status=1
   done
+  exit $status
+fi
+if [ "$what" = grid-host-ab ]; then
+  # issue 28: grid-host on an earlier copy of the code (out/base/src: `git archive <base> src | tar x -C
+  # out/base`; its kimi-nano weights are copied in from src here, so they need not travel twice; carry
+  # out/base) and on this one, alternating, batch 1 then 4 (GRID_BATCH): what a change to the policy's host
+  # work per round does inside the grid
+  for d in kimi-nano kimi-nano-dflash; do
+    cp src/kdtree_engine/assets/$d/*.safetensors out/base/src/kdtree_engine/assets/$d/ || status=1
+  done
+  for b in ${GRID_BATCH:-1 4}; do
+    for side in base new; do
+      src=src; [ "$side" = base ] && src=out/base/src
+      echo "== batch $b, $side" >>"$R/grid_host_ab.log"
+      PYTHONPATH=$src timeout "${T_GRID:-95}" python3 scripts/probe_grid_host.py --batch "$b" --budgets 32 \
+        >>"$R/grid_host_ab.log" 2>&1 || status=1
+    done
+  done
+  tail -80 "$R/grid_host_ab.log"
+  tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
   exit $status
 fi
 if [ "$what" = auto-same-text ]; then
