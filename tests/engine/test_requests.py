@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kdtree_engine.engine.requests import Requests
+from kdtree_engine.engine.requests import FEW_REQUESTS, Requests
 
 
 class SumMatcher:
@@ -60,9 +60,10 @@ class OneByOne:
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("stop_strings", [False, True])
-def test_a_round_at_once_equals_one_request_at_a_time(seed, stop_strings):
+@pytest.mark.parametrize("batch", [FEW_REQUESTS + 1, 3])  # the whole batch at once; row by row (_commit_rows)
+def test_a_round_at_once_equals_one_request_at_a_time(seed, stop_strings, batch):
     rng = np.random.default_rng(seed)
-    batch, slots = 9, 6
+    slots = 6
     limits = [int(n) for n in rng.integers(0, 40, batch)]
     limits[0], limits[1] = 0, 1  # done before the first round; done by the prefill's token
     stops = frozenset({3, 7}) if seed % 3 else frozenset()
@@ -71,6 +72,7 @@ def test_a_round_at_once_equals_one_request_at_a_time(seed, stop_strings):
     streamed: list[tuple[int, list[int]]] = []
     ours = Requests(limits, stops, lambda b, new: streamed.append((b, new)), matchers())
     ref = OneByOne(limits, stops, matchers())
+    held = ours.active
     for _ in range(40):
         tokens = rng.integers(0, 10, (batch, slots))
         counts = rng.integers(1, slots + 1, batch)
@@ -78,6 +80,7 @@ def test_a_round_at_once_equals_one_request_at_a_time(seed, stop_strings):
         was = ours.active.copy()
         kept, changed = ours.commit_round(tokens, counts)
         assert kept.tolist() == ref.commit_round(tokens.tolist(), counts.tolist())
+        assert ours.active is held  # updated in place: the engine loop holds the array
         assert ours.active.tolist() == ref.active
         assert changed == (ours.active.tolist() != was.tolist())
         assert ours.tokens == ref.tokens and ours.lengths.tolist() == [len(t) for t in ref.tokens]

@@ -6,7 +6,9 @@ round's committed tokens). `Requests.commit_round` keeps, per running request, a
 limit allows, cut after the first stop token and at the token whose text completes a stop string,
 and appends it: numpy over [requests, slots], so that the host's work per round does not grow with
 the batch in Python (the stop strings, which decode text, and the streaming callback run per request
-that has new tokens, and only when they are set).
+that has new tokens, and only when they are set). Up to FEW_REQUESTS requests the same rule runs row
+by row in Python (`_commit_rows`): there a numpy call's fixed cost is more than its work, and a round
+of a small batch is where the host's work per round shows (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from kdtree_engine.engine.text import StopStringMatcher
 
 OnTokens = Callable[[int, list[int]], None]
+FEW_REQUESTS = 8  # request rows up to which commit_round runs row by row in Python (_commit_rows)
 
 
 class Requests:
@@ -37,6 +40,7 @@ class Requests:
         self.lengths = np.zeros(len(limits), dtype=np.int64)
         self.active = self.limits > 0  # [requests] bool
         self.stops = np.array(sorted(stops), dtype=np.int64)
+        self._stop_set = frozenset(int(t) for t in stops)
         self.on_tokens, self.matchers = on_tokens, matchers
         self._out = np.zeros((len(limits), 0), dtype=np.int64)  # committed tokens, grown on demand
         self._cols = np.arange(0)
@@ -58,6 +62,12 @@ class Requests:
         request row (the first counts[b] slots). Appends what each running request keeps, streams it,
         stops the requests it ends. Returns (how many tokens each request kept, [requests] int64, 0 for
         those not running; whether a request stopped)."""
+        if len(self.limits) <= FEW_REQUESTS:
+            return self._commit_rows(tokens, counts)
+        return self._commit_batch(tokens, counts)
+
+    def _commit_batch(self, tokens: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bool]:
+        """commit_round over the whole batch at once (numpy over [requests, slots])."""
         slots = tokens.shape[1]
         kept = np.minimum(np.minimum(counts, self.limits - self.lengths), slots) * self.active
         in_round = self._columns(slots) < kept[:, None]  # [requests, slots]: the slots kept so far
@@ -87,6 +97,47 @@ class Requests:
                 self.on_tokens(b, tokens[b, : kept[b]].tolist())
         return kept, changed
 
+    def _commit_rows(self, tokens: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, bool]:
+        """commit_round row by row in Python (a few requests): the same rule as _commit_batch."""
+        limits, lengths, active = self.limits.tolist(), self.lengths.tolist(), self.active.tolist()
+        counts, slots = counts.tolist(), tokens.shape[1]
+        kept = [0] * len(limits)
+        changed = False
+        for b, running in enumerate(active):
+            if not running:
+                continue
+            new, stopped = self._kept_of_row(b, tokens, min(counts[b], limits[b] - lengths[b], slots))
+            kept[b] = len(new)
+            if new:
+                self._grow(lengths[b] + len(new))
+                self._out[b, lengths[b] : lengths[b] + len(new)] = new
+                lengths[b] += len(new)
+            if stopped or lengths[b] >= limits[b]:
+                active[b], changed = False, True
+        self.lengths = np.array(lengths, dtype=np.int64)
+        if changed:
+            self.active[:] = active  # in place, as _commit_batch: callers may hold the array
+        if self.on_tokens is not None:
+            for b, n in enumerate(kept):
+                if n:
+                    self.on_tokens(b, tokens[b, :n].tolist())
+        return np.array(kept, dtype=np.int64), changed
+
+    def _kept_of_row(self, b: int, tokens: np.ndarray, most: int) -> tuple[list[int], bool]:
+        """The tokens running request b keeps of its row (at most `most`: its count, limit and the
+        slots), cut after its first stop token or at the token completing a stop string, and whether
+        it stopped so."""
+        new = tokens[b, : max(most, 0)].tolist()
+        stops = self._stop_set
+        end = next((i + 1 for i, t in enumerate(new) if t in stops), None) if stops else None
+        if end is not None:
+            new = new[:end]
+        if self.matchers is not None and new:
+            hit = self.matchers[b].feed(new)
+            if hit is not None:
+                new, end = new[:hit], hit
+        return new, end is not None
+
     def _columns(self, slots: int) -> np.ndarray:
         """0 .. slots - 1 (kept between rounds)."""
         if self._cols.shape[0] != slots:
@@ -96,12 +147,15 @@ class Requests:
     def _append(self, tokens: np.ndarray, kept: np.ndarray, in_round: np.ndarray) -> None:
         """Writes each row's first kept[b] tokens (in_round: those slots) after its committed ones."""
         end = self.lengths + kept
-        need = int(end.max()) if end.size else 0
+        self._grow(int(end.max()) if end.size else 0)
+        rows, cols = np.nonzero(in_round)
+        self._out[rows, self.lengths[rows] + cols] = tokens[rows, cols]
+        self.lengths = end
+
+    def _grow(self, need: int) -> None:
+        """Room for `need` committed tokens in every row (grown by doubling, up to the largest limit)."""
         if need > self._out.shape[1]:
             width = max(need, min(2 * self._out.shape[1] + 64, int(self.limits.max())))
             grown = np.zeros((self._out.shape[0], width), dtype=np.int64)
             grown[:, : self._out.shape[1]] = self._out
             self._out = grown
-        rows, cols = np.nonzero(in_round)
-        self._out[rows, self.lengths[rows] + cols] = tokens[rows, cols]
-        self.lengths = end
