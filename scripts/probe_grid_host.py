@@ -4,6 +4,8 @@ row's Runner warmed and timed in turn, as the bench does), the engine loop's hos
 timers (round_host_time.STEPS) and Python's garbage collections timed, summed per row over its untimed
 calls and given per round read. A row whose wall per round is well above its device round while its
 wait is near zero is host-bound; garbage collections are where a heap grown by the grid shows up.
+The auto row's measured round cost per bucket (its median over the untimed calls) tells whether its
+cheap rounds (steps, small trees) cost what a fixed row's do or what the host's work per round does.
 
     python scripts/probe_grid_host.py [--batch 4] [--temperature 0] [--budgets 32] [--prompts 8]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -37,6 +40,9 @@ class Tally:
         self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.rounds: dict[str, int] = defaultdict(int)
         self.wall: dict[str, float] = defaultdict(float)
+        # the auto row's measured round seconds by bucket (stats.budgets, stats.round_seconds): whether its
+        # cheap rounds (steps, small trees) cost what the fixed rows' do, or the host's work per round
+        self.by_bucket: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.gc_start = 0.0
 
     def on_gc(self, phase: str, info: dict) -> None:
@@ -79,6 +85,9 @@ def main() -> None:
                 tally.steps[tally.row][k] += v
             tally.rounds[tally.row] += out.stats.rounds
             tally.wall[tally.row] += out.stats.wall_time - out.stats.capture_time
+            for bucket, secs in zip(out.stats.budgets, out.stats.round_seconds, strict=False):
+                if secs == secs:  # NaN: not measured
+                    tally.by_bucket[tally.row][bucket].append(secs)
         tally.row = None
         return out
 
@@ -95,6 +104,10 @@ def main() -> None:
     for key, n in tally.rounds.items():
         steps = ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in sorted(tally.steps[key].items()))
         print(f"  {key}: {n} rounds, wall per round {tally.wall[key] / n * 1e3:.3f}; {steps}")
+        if tally.by_bucket[key]:
+            costs = ", ".join(f"{k}: {statistics.median(v) * 1e3:.3f} ({len(v)})"
+                              for k, v in sorted(tally.by_bucket[key].items()))  # fmt: skip
+            print(f"    {key}: measured ms per round by bucket, median (rounds): {costs}")
 
 
 if __name__ == "__main__":
