@@ -103,6 +103,7 @@ class Requests:
         counts, slots = counts.tolist(), tokens.shape[1]
         kept = [0] * len(limits)
         changed = False
+        streamed = []  # (row, its new tokens), streamed once every row is committed, as _commit_batch
         for b, running in enumerate(active):
             if not running:
                 continue
@@ -112,15 +113,15 @@ class Requests:
                 self._grow(lengths[b] + len(new))
                 self._out[b, lengths[b] : lengths[b] + len(new)] = new
                 lengths[b] += len(new)
+                streamed.append((b, new))
             if stopped or lengths[b] >= limits[b]:
                 active[b], changed = False, True
         self.lengths = np.array(lengths, dtype=np.int64)
         if changed:
             self.active[:] = active  # in place, as _commit_batch: callers may hold the array
         if self.on_tokens is not None:
-            for b, n in enumerate(kept):
-                if n:
-                    self.on_tokens(b, tokens[b, :n].tolist())
+            for b, new in streamed:
+                self.on_tokens(b, new)
         return np.array(kept, dtype=np.int64), changed
 
     def _kept_of_row(self, b: int, tokens: np.ndarray, most: int) -> tuple[list[int], bool]:
