@@ -5,7 +5,9 @@ timers (round_host_time.STEPS) and Python's garbage collections timed, summed pe
 calls and given per round read. A row whose wall per round is well above its device round while its
 wait is near zero is host-bound; garbage collections are where a heap grown by the grid shows up.
 The auto row's measured round cost per bucket (its median over the untimed calls) tells whether its
-cheap rounds (steps, small trees) cost what a fixed row's do or what the host's work per round does.
+cheap rounds (steps, small trees) cost what a fixed row's do or what the host's work per round does;
+each row's tokens per request and round, beside its wall per round, splits its tokens per second into
+what its rounds commit and what they cost.
 
     python scripts/probe_grid_host.py [--batch 4] [--temperature 0] [--budgets 32] [--prompts 8]
 """
@@ -40,6 +42,7 @@ class Tally:
         self.steps: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.rounds: dict[str, int] = defaultdict(int)
         self.wall: dict[str, float] = defaultdict(float)
+        self.accepted: dict[str, list[int]] = defaultdict(list)  # tokens committed per request and round
         # the auto row's measured round seconds by bucket (stats.budgets, stats.round_seconds): whether its
         # cheap rounds (steps, small trees) cost what the fixed rows' do, or the host's work per round
         self.by_bucket: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -85,6 +88,7 @@ def main() -> None:
                 tally.steps[tally.row][k] += v
             tally.rounds[tally.row] += out.stats.rounds
             tally.wall[tally.row] += out.stats.wall_time - out.stats.capture_time
+            tally.accepted[tally.row] += out.stats.accept_lengths
             for bucket, secs in zip(out.stats.budgets, out.stats.round_seconds, strict=False):
                 if secs == secs:  # NaN: not measured
                     tally.by_bucket[tally.row][bucket].append(secs)
@@ -103,7 +107,10 @@ def main() -> None:
         print(f"  row {r['method']} {r['budget']}: {r['tokens_per_s']:.0f} tokens/s")
     for key, n in tally.rounds.items():
         steps = ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in sorted(tally.steps[key].items()))
-        print(f"  {key}: {n} rounds, wall per round {tally.wall[key] / n * 1e3:.3f}; {steps}")
+        accepted = tally.accepted[key]
+        per_round = sum(accepted) / len(accepted) if accepted else 1.0  # none: autoregressive steps
+        print(f"  {key}: {n} rounds, wall per round {tally.wall[key] / n * 1e3:.3f}, tokens per request and "
+              f"round {per_round:.2f}; {steps}")  # fmt: skip
         if tally.by_bucket[key]:
             costs = ", ".join(f"{k}: {statistics.median(v) * 1e3:.3f} ({len(v)})"
                               for k, v in sorted(tally.by_bucket[key].items()))  # fmt: skip
