@@ -217,12 +217,14 @@ fi
 if [ "$what" = auto ]; then
   # issue 28: the auto budget against AR, DFlash and every fixed budget on kimi-nano, batch 1-64,
   # temperature 0 and 1 (the static call's test, the 4-round drafter context, the batched commit), then
-  # the host's steps per round inside real runs and the timed call's timeline (HOST_BATCH, HOST_BUDGETS, HOST_TEMP)
+  # the host's steps per round inside real runs and the timed call's timeline (HOST_BATCH, HOST_BUDGETS, HOST_TEMP;
+  # T_HOST=0 leaves that out); AUTO_PROMPTS held-out prompts (8; up to 32, so that each row's luck with its
+  # bf16 texts averages over more of them)
   timeout "${T_AUTO:-470}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
-    --budgets 8 16 32 64 --prompts 8 --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" | tail -40 \
-    || status=1
+    --budgets 8 16 32 64 --prompts "${AUTO_PROMPTS:-8}" --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" \
+    | tail -40 || status=1
   python3 scripts/auto_calls.py "$R/nano_auto/e2e_nano.json" >"$R/auto_calls.log" 2>&1 || status=1
-  timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch ${HOST_BATCH:-4 16} --budgets ${HOST_BUDGETS:-64 auto} \
+  [ "${T_HOST:-100}" = 0 ] || timeout "${T_HOST:-100}" python3 scripts/round_host_time.py --batch ${HOST_BATCH:-4 16} --budgets ${HOST_BUDGETS:-64 auto} \
     --temperature ${HOST_TEMP:-0} --timeline 2>&1 \
     | tee "$R/round_host_time.log" || status=1
   tar czf "${R%/results}/results.tgz" -C "$(dirname "$R")" results
