@@ -219,8 +219,9 @@ if [ "$what" = auto ]; then
   # temperature 0 and 1 (the static call's test, the 4-round drafter context, the batched commit), then
   # the host's steps per round inside real runs and the timed call's timeline (HOST_BATCH, HOST_BUDGETS, HOST_TEMP;
   # T_HOST=0 leaves that out); AUTO_PROMPTS held-out prompts (8; up to 32, so that each row's luck with its
-  # bf16 texts averages over more of them)
-  timeout "${T_AUTO:-470}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures 0 1 \
+  # bf16 texts averages over more of them), AUTO_TEMPS the temperatures (0 1)
+  # shellcheck disable=SC2086
+  timeout "${T_AUTO:-470}" python3 -m kdtree_engine bench e2e --target nano --batch 1 4 16 64 --temperatures ${AUTO_TEMPS:-0 1} \
     --budgets 8 16 32 64 --prompts "${AUTO_PROMPTS:-8}" --auto --out "$R/nano_auto" 2>&1 | tee "$R/bench_nano_auto.log" \
     | tail -40 || status=1
   python3 scripts/auto_calls.py "$R/nano_auto/e2e_nano.json" >"$R/auto_calls.log" 2>&1 || status=1
