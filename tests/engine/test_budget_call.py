@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kdtree_engine.engine import budget
-from kdtree_engine.engine.budget import AUTO_BUCKETS, PICK_REASONS, PROBE_STEPS, BudgetPolicy
+from kdtree_engine.engine.budget import AUTO_BUCKETS, PICK_REASONS, PROBE_STEPS, SETTLED_STEPS, BudgetPolicy
 from kdtree_engine.engine.budget_call import (
     KEEP_ROUNDS,
     CallTest,
@@ -330,6 +330,23 @@ def test_with_more_than_one_request_the_tests_steps_are_not_probed():
         k = policy.pick([True] * 64, must_draft=False, remaining=[left] * 64)
         picks.append((k, _why_read(policy, k, 64)))
     assert picks == [(0, "call")] * (2 * PROBE_STEPS + 3) and not policy.stepping
+
+
+def test_with_more_than_one_request_the_tests_steps_in_a_row_settle_the_call_on_steps():
+    """The same 64 requests: the close answer steps SETTLED_STEPS rounds in a row ("call"), the last of
+    them giving the call to steps, and every later round is a step of a call given to steps (no forced
+    draft, plain decoding's step). One request's close answer is probed every PROBE_STEPS + 1 rounds
+    first, so its call is never given to steps that way."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = _policy_after_a_round(costs, 64, accepted=1.2, rounds=40, spread=1.2)
+    picks = []
+    for left in range(127, 127 - SETTLED_STEPS - 3, -1):
+        k = policy.pick([True] * 64, must_draft=False, remaining=[left] * 64)
+        picks.append((k, _why_read(policy, k, 64)))
+        assert policy.stepping == (len(picks) >= SETTLED_STEPS)
+    assert picks == [(0, "call")] * SETTLED_STEPS + [(0, "stepping")] * 3 and policy.stepping
+    one = _close_call_picks(2 * SETTLED_STEPS)  # (asserts that the call was not given to steps)
+    assert {why for _, why in one} == {"call", "probe"}
 
 
 @pytest.mark.parametrize("batch", [1, 4])

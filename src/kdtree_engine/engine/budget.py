@@ -80,6 +80,12 @@ PROBE_STEPS + 1 cheap. Not with more requests: there a close answer for steps is
 doing, and the probes' rounds, read as the trees' rates, turned calls back to trees that the tail then
 made slower (docs/engine.md has the simulator's figures).
 
+Settled steps. A close answer for steps that has held SETTLED_STEPS rounds in a row gives the call to
+steps as a decisive one does. The steps teach nothing of the trees, so the answer moves only with the
+tokens the requests have left, while each of those steps keeps the drafter's context complete (it costs
+more than plain decoding's step; docs/engine.md) and every STEP_ROUNDS (L + 1) of them force a draft of a
+tree the answer had ruled out. With one request the probes (every PROBE_STEPS + 1 rounds) come first.
+
 Trees never built. A bucket's level of S is known once a draft has built it (a round of bucket n tells the S
 of every bucket up to n). Before that its E is a step's for want of any S, and its upper bound says nothing
 either, so a test that gave the call to steps then would judge the trees by the small ones built so far, and a
@@ -151,6 +157,7 @@ CHAIN_MIN_RATIO = 1.5  # the chain's accepted over predicted drafted tokens belo
 STEADY_STEP_MARGIN = 0.9  # steps in a row price the call's steps once below this share of the table's
 REFRESH_ROUNDS = 4  # the engine's BudgetPolicy.refresh_rounds (the module docstring, "The host's time")
 PROBE_STEPS = 8  # the static call's test's steps in a row (one request, not given to steps) before a tree
+SETTLED_STEPS = 32  # the static call's test's steps in a row that give the call to steps
 FEW_ROWS = 4  # request rows up to which observe() sums them in Python floats (total_of; at most 7)
 
 
@@ -572,8 +579,10 @@ class BudgetPolicy:
         """The static call's test (engine.budget_call.CallTest) for the running request rows, once the
         step's cost and a tree's (CostTable.estimate) are measured, over the buckets measured: the
         tokens each has left less what the rounds picked and not read yet are expected to commit. A
-        decisive answer for steps gives the call to steps (`stepping`); while the drafter must run, or
-        while a bucket is not measured yet (the rule would try it), only such an answer steps."""
+        decisive answer for steps gives the call to steps (`stepping`), and so does a close one that
+        has stepped SETTLED_STEPS rounds in a row (module docstring, "Settled steps"); while the
+        drafter must run, or while a bucket is not measured yet (the rule would try it), only a
+        decisive answer steps."""
         if 0 not in self.buckets or rows.size == 0 or not self._standing().priced:
             return False
         costs, _, _ = self.costs.estimates()
@@ -584,8 +593,10 @@ class BudgetPolicy:
         if steps is None:
             steps = self._call_answer(rows, remaining, costs, most)
             decisive = self.call_test.kept > 0
-        self.stepping = steps and decisive and self._unbuilt() is None
-        return self.stepping or (steps and not must_draft and not partial)
+        step = steps and not must_draft and not partial  # a step this round on a close answer
+        settled = step and self.call_steps + 1 >= SETTLED_STEPS
+        self.stepping = steps and (decisive or settled) and self._unbuilt() is None
+        return self.stepping or step
 
     def _call_answer(
         self, rows: np.ndarray, remaining: Sequence[int], costs: np.ndarray, most: float
