@@ -7,7 +7,11 @@ On a GPU machine the host does nothing else between rounds but replay graphs, so
 what it adds to a round when the host is the bottleneck (`scripts/round_host_time.py` measures them
 inside real runs on the GPU). On the CPU, timing them inside real runs measures mostly the torch
 computation just before them (the first Python operations after a forward run many times slower), so
-this script isolates them.
+this script isolates them. The policy defers its refreshes as the engine's does
+(BudgetPolicy.defer_refresh): `refresh` is the time the engine spends on them after it enqueues the next
+round, beside the device's rounds, and the other steps are what lies between a round's read and the
+next enqueue; `p90 path` is the 90th percentile of that path per round (a refresh done inside observe
+lands there every REFRESH_ROUNDS rounds).
 
     python scripts/host_round_cost.py [--batch 1 16 64] [--rounds 2000] [--slots 16]
 """
@@ -41,12 +45,15 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: in
     committed = torch.zeros(batch, 1 + slots + sums, dtype=torch.int64)
     state = SimpleNamespace(committed=committed, active=torch.ones(batch, dtype=torch.bool))
     stats = GenerationStats(method="ddtree", batch_size=batch)
-    policy = BudgetPolicy(AUTO_BUCKETS, slots, refresh_rounds=REFRESH_ROUNDS) if auto else None
+    policy = (
+        BudgetPolicy(AUTO_BUCKETS, slots, refresh_rounds=REFRESH_ROUNDS, defer_refresh=True) if auto else None
+    )
     if policy is not None:
         for k in AUTO_BUCKETS:
             for _ in range(MIN_COST_ROUNDS):
                 policy.costs.observe(k, 1e-3 * (1 + k / 64))
-    seconds = dict.fromkeys(("read", "commit", "pick", "observe"), 0.0)
+    seconds = dict.fromkeys(("read", "commit", "pick", "observe", "refresh"), 0.0)
+    paths = []
     bucket, done = AUTO_BUCKETS[-1], 0
     while done < rounds:
         reqs = Requests([new_tokens] * batch, frozenset({0}), None)
@@ -65,7 +72,11 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: in
                 floats = np.concatenate([rng.random((batch, nb)) * 3, would], axis=1)
                 committed[:, 1 + slots :] = torch.from_numpy(floats).view(torch.int64)
             host.send(state)
+            tr = time.perf_counter()
+            if policy is not None:
+                policy.refresh_when_due(run.reqs.active)
             t0 = time.perf_counter()
+            seconds["refresh"] += t0 - tr
             tokens, counts, floats = host.read(sums)
             t1 = time.perf_counter()
             if policy is not None and not first:
@@ -81,7 +92,10 @@ def timed_rounds(batch: int, rounds: int, slots: int, auto: bool, new_tokens: in
             first, done = False, done + 1
             for key, dt in (("read", t1 - t0), ("observe", t2 - t1), ("commit", t3 - t2), ("pick", t4 - t3)):
                 seconds[key] += dt
-    return {k: v / rounds * 1e6 for k, v in seconds.items()}
+            paths.append(t4 - t0)
+    out = {k: v / rounds * 1e6 for k, v in seconds.items()}
+    out["p90 path"] = float(np.percentile(paths, 90)) * 1e6
+    return out
 
 
 def main() -> None:
@@ -95,8 +109,11 @@ def main() -> None:
     for batch in args.batch:
         for auto in (False, True):
             t = timed_rounds(batch, args.rounds, args.slots, auto)
-            rows.append([batch, "auto" if auto else "fixed", *(t[k] for k in steps), sum(t.values())])
-    print(markdown_table(["batch", "budget", *steps, "total (us per round)"], rows))
+            path = sum(t[k] for k in steps)
+            rows.append([batch, "auto" if auto else "fixed", *(t[k] for k in steps), path, t["p90 path"],
+                         t["refresh"]])  # fmt: skip
+    heads = ["batch", "budget", *steps, "path (us per round)", "p90 path", "refresh (beside the device)"]
+    print(markdown_table(heads, rows))
 
 
 if __name__ == "__main__":

@@ -166,6 +166,37 @@ def test_the_read_after_an_eager_enqueue_is_not_timed(monkeypatch):
     assert any(steady and last is not None for steady, last in seen)  # the later rounds are timed
 
 
+def test_pipelined_auto_refreshes_its_estimates_while_the_next_round_is_in_flight(monkeypatch, rule_alone):
+    """The engine's policy defers its refreshes (BudgetPolicy.defer_refresh): observe leaves one due,
+    and the loop does it before the next read, after enqueueing the next round, so that the host's
+    refresh runs beside two rounds in flight; no round is read with a refresh overdue."""
+    monkeypatch.setattr(loop, "_pipelined", lambda run, device: True)
+    refresh_policy, observe, seen, left = loop._Rounds.refresh_policy, BudgetPolicy.observe, [], []
+
+    def refreshing(self):
+        due = self.policy._unrefreshed >= self.policy.refresh_rounds
+        refresh_policy(self)
+        seen.append((due, len(self.flight), self.policy._unrefreshed))
+
+    def observing(self, *args, **kwargs):
+        assert self._unrefreshed < self.refresh_rounds  # none overdue when a round is read
+        observe(self, *args, **kwargs)
+        left.append(self._unrefreshed)
+
+    monkeypatch.setattr(loop._Rounds, "refresh_policy", refreshing)
+    monkeypatch.setattr(BudgetPolicy, "observe", observing)
+    target, drafter = tiny_target(3), tiny_drafter(3, block_size=6)
+    prompts = random_prompts(6, [5, 9], target.config.vocab_size)
+    runner = Runner(target, drafter, GenerationConfig(max_new_tokens=40, budget="auto"), batch_size=2,
+                    prompt_len=9)  # fmt: skip
+    for _ in range(2):
+        assert runner.generate(prompts).tokens == greedy_generate(target, prompts, 40)
+    assert loop.REFRESH_ROUNDS in left  # observe left the refresh due
+    refreshed = [(flight, after) for due, flight, after in seen if due]
+    assert refreshed and all(after == 0 for _, after in refreshed)
+    assert max(flight for flight, _ in refreshed) == 2  # beside the next round, enqueued
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_a_call_given_to_steps_never_drafts(monkeypatch, pipelined):
     """With every cost measured, steps cheap and trees dear, the static call's test gives the call to

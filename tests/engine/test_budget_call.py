@@ -402,6 +402,31 @@ def test_estimates_refresh_every_k_rounds_read_and_at_a_buckets_first_of_its_kin
     assert new.costs.estimate(8) == 2.0
 
 
+def test_a_deferred_refresh_waits_for_refresh_when_due_and_readies_the_next_pick():
+    """defer_refresh (the engine's): a refresh that comes due in observe waits for refresh_when_due,
+    which takes every round read in and derives what the next pick weighs (its standing is the one
+    the pick then uses); nothing due, it does nothing. A bucket's first pairs still refresh at once."""
+    costs = {0: 1.0, 4: 1.9, 8: 2.0, 16: 2.2, 32: 2.6, 64: 3.4}
+    policy = BudgetPolicy(AUTO_BUCKETS, depth=64, refresh_rounds=3, defer_refresh=True)
+    _measured(policy, costs)
+    policy.calibration.observe_drafts(np.tile([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], (2, 1)))
+    _round_of_8(policy, np.full(2, 2.0), 4.0)  # bucket 8's first pairs: at once
+    fit = policy.calibration.expected_coefficients()
+    assert fit[0][2] > 1.0
+    for _ in range(3):
+        _round_of_8(policy, np.full(2, 5.0), 4.0)
+    assert policy.calibration.expected_coefficients() is fit  # due since the third, left for later
+    assert policy.costs.estimates()[1][2] == 2.0
+    assert policy.refresh_when_due([True, False, True])
+    assert policy.calibration.expected_coefficients()[0][2] > fit[0][2]
+    assert policy.costs.estimates()[1][2] == 4.0  # the median of 2, 2, 2, 4, 4, 4, 4
+    kept = policy._standing_kept
+    assert kept is not None and 2 in kept.rates  # the steady rate of the two running rows, derived
+    assert not policy.refresh_when_due([True, True])  # nothing due
+    policy.pick([True, True], must_draft=False)
+    assert policy._standing_kept is kept  # the pick weighed what the refresh derived
+
+
 def test_held_rounds_wait_for_the_refresh_and_add_up_to_the_same_sums():
     """Held, a round whose pairs and drafts are no bucket's first waits and is added to the sums at the
     next refresh (or before anything reads them), all waiting rounds in one pass: after the refresh the

@@ -290,6 +290,8 @@ def run_call(sc: Scenario, seed: int, bucket: int | None, policy: BudgetPolicy |
             flight.append(pick())
         if policy is not None and not np.all(reqs.committed + 1 >= sc.tokens):
             flight.append(pick())
+        if policy is not None:  # where the engine's loop refreshes (BudgetPolicy.defer_refresh)
+            policy.refresh_when_due(running())
         n = flight.popleft()
         rows = np.flatnonzero(running())
         counts, sums, would = _round(sc, reqs, n, rng)
@@ -404,7 +406,9 @@ def compare(sc: Scenario, calls: int = 3, seeds: int = 8, static: bool = True) -
         rates["autoregressive" if k == 0 else f"bucket {k}"] = seeds * total / t
     t, picks = 0.0, []
     for s in range(seeds):
-        policy = BudgetPolicy(sc.buckets, STEP_ROUNDS * BLOCK, refresh_rounds=REFRESH_ROUNDS)
+        policy = BudgetPolicy(
+            sc.buckets, STEP_ROUNDS * BLOCK, refresh_rounds=REFRESH_ROUNDS, defer_refresh=True
+        )
         for c in range(calls):
             policy.new_call(copies(sc, s % groups))
             out = run_call(sc, 1000 * s + c, None, policy, static, group=s % groups)

@@ -133,6 +133,14 @@ between refreshes only do each round's own work over its rows; observe sums a fe
 Python floats (total_of: the same floats as numpy's sums). In the simulator, auto over the best at
 k = 1, 2, 4 and 8 differs by no more than the spread between seeds (docs/engine.md); k = 1, the
 default, is what the policy's tests check.
+
+Deferred refreshes. A refresh costs the host several rounds' worth of pick and observe at once. Done in
+observe, it sits between a round's read and the next round's enqueue, where the device has one round
+queued: on the GPU it outlasted that round, and every k-th round cost a few tenths of a millisecond more
+(a period of k in the measured round times). With `defer_refresh` (the engine's) observe leaves a due
+refresh to refresh_when_due(), which the engine calls after it enqueues the next round, while the device
+has two rounds queued; it also derives what the next pick weighs (_standing, the steady rate), so that
+the pick after a refresh costs what any other does. The choice then weighs estimates one round older.
 """
 
 from __future__ import annotations
@@ -310,6 +318,8 @@ class BudgetPolicy:
     # on the rounds between (module docstring, "The host's time"); a bucket's first pairs, draft or
     # median refresh at once
     refresh_rounds: int = 1
+    # observe() leaves a due refresh to refresh_when_due() (module docstring, "Deferred refreshes")
+    defer_refresh: bool = False
     _unrefreshed: int = field(init=False, default=0)  # rounds read since the last refresh
     _standing_kept: _Standing | None = field(init=False, default=None)  # _standing(), while it stands
 
@@ -672,7 +682,7 @@ class BudgetPolicy:
         self.chosen[bucket] = self.chosen.get(bucket, 0) + 1
         self._unrefreshed += 1
         if sums is None:
-            self._refresh_when_due()
+            self._refresh_unless_deferred()
             return
         j, cal = self.buckets.index(bucket), self.calibration
         rows = np.asarray(rows, dtype=np.int64)
@@ -709,15 +719,35 @@ class BudgetPolicy:
         self.requests[bucket] = self.requests.get(bucket, 0) + len(rows)
         self._rows(max(row_list) + 1 if row_list else 0)
         self.sums[index], self.age[index] = own, 0
-        self._refresh_when_due()
+        self._refresh_unless_deferred()
 
-    def _refresh_when_due(self) -> None:
+    def _refresh_unless_deferred(self) -> None:
+        if not self.defer_refresh:
+            self._refresh_when_due()
+
+    def refresh_when_due(self, active: Sequence[bool] | None = None) -> bool:
+        """With defer_refresh, where the host has time to spare (module docstring, "Deferred
+        refreshes"): the refresh observe() left due, if any, and then what the next pick derives from
+        the refreshed estimates (the standing, and the steady rate for the `active` request rows, as
+        pick() takes them). Returns whether it refreshed."""
+        if not self._refresh_when_due():
+            return False
+        self._candidates = self._candidate_mask()
+        self._standing()
+        running = 0 if active is None else int(np.count_nonzero(active))
+        if running:
+            self._steady_rate(running)
+        return True
+
+    def _refresh_when_due(self) -> bool:
         """Every refresh_rounds rounds read, the estimates the choice weighs recomputed from all of them."""
-        if self._unrefreshed >= self.refresh_rounds:
-            self._unrefreshed = 0
-            self.calibration.refresh()
-            self.costs.refresh()
-            self.step_costs.refresh()
+        if self._unrefreshed < self.refresh_rounds:
+            return False
+        self._unrefreshed = 0
+        self.calibration.refresh()
+        self.costs.refresh()
+        self.step_costs.refresh()
+        return True
 
     def _observe_smaller(self, j: int, choice: _Choice, would: np.ndarray, own: np.ndarray,
                          coefficients: Pair) -> None:  # fmt: skip

@@ -274,7 +274,9 @@ class _Rounds:
         depth = STEP_ROUNDS * run.drafter.block_size if run.drafter is not None else 1
         auto = run.config.auto_budget
         self.policy = (
-            BudgetPolicy(self.stages.buckets, depth, refresh_rounds=REFRESH_ROUNDS) if auto else None
+            BudgetPolicy(self.stages.buckets, depth, refresh_rounds=REFRESH_ROUNDS, defer_refresh=True)
+            if auto
+            else None
         )
         if self.policy is not None:
             self.policy.new_call(run.copies, run.timer.enabled)
@@ -364,6 +366,13 @@ class _Rounds:
         stage = self.stages.prompt_stage(s.prompt_ctx)
         s.prompt_ctx = None
         return [stage, *order[1:]]
+
+    def refresh_policy(self) -> None:
+        """The auto budget's refresh that its last observe left due (BudgetPolicy.refresh_when_due),
+        done before the read of the oldest round in flight: pipelined, after the next round's enqueue,
+        so that the host's refresh overlaps the device's rounds instead of delaying an enqueue."""
+        if self.policy is not None:
+            self.policy.refresh_when_due(self.run.reqs.active)
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """The oldest round's (tokens per request, counts); the auto budget's policy learns from it."""
@@ -475,6 +484,7 @@ def _decode(run: Run, state: State, device: torch.device, rounds: _Rounds | None
             else:  # the next bucket picked while the device runs the round in flight, enqueued after
                 rounds.hold()  # its read if that round was not the last
         bucket, orders = rounds.flight[0].bucket, [rounds.flight[0].order]
+        rounds.refresh_policy()  # while the device runs the rounds just enqueued
         tokens, counts = rounds.read()  # waits for the oldest round in flight
         run.stats.rounds += 1
         run.stats.target_forwards += 1
