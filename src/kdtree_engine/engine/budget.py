@@ -136,8 +136,8 @@ default, is what the policy's tests check.
 
 Deferred refreshes. A refresh costs the host several rounds' worth of pick and observe at once. Done in
 observe, it sits between a round's read and the next round's enqueue, where the device has one round
-queued: on the GPU it outlasted that round, and every k-th round cost a few tenths of a millisecond more
-(a period of k in the measured round times). With `defer_refresh` (the engine's) observe leaves a due
+queued: where it outlasts that round, every k-th round costs more (a period of k in the measured round
+times; docs/engine.md has the figures). With `defer_refresh` (the engine's) observe leaves a due
 refresh to refresh_when_due(), which the engine calls after it enqueues the next round, while the device
 has two rounds queued; it also derives what the next pick weighs (_standing, the steady rate), so that
 the pick after a refresh costs what any other does. The choice then weighs estimates one round older.
